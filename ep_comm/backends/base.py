@@ -1,0 +1,96 @@
+"""The backend protocol: the whole contract between ``Communicator`` and a transport.
+
+A backend receives already-validated, already-sanitised inputs (``RoutedBatch``) and returns a
+``Dispatched`` in the layout the config asks for; ``combine`` gets a validated ``expert_out``.
+Availability is a local, side-effect-free check; the communicator agrees on it across ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import EPConfig
+from ..distributed.control import ControlPlane
+from ..distributed.topology import Topology
+from ..layouts import Dispatched
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend may use; built once per communicator."""
+
+    cfg: EPConfig
+    group: Optional[dist.ProcessGroup]
+    control: ControlPlane
+    topology: Topology
+    rank: int
+    world_size: int
+    device: torch.device
+    error_flags: torch.Tensor  # int64 [NUM_FLAGS] on device; counts problems seen without host sync
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.cfg.num_experts // self.world_size
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_tokens_per_rank * self.world_size
+
+
+# indices into BackendContext.error_flags
+FLAG_INVALID_IDS = 0  # out-of-range expert ids dropped while capturing a CUDA graph
+FLAG_EPOCH_MISMATCH = 1  # a peer's data carried another (op, epoch) than ours
+FLAG_TOKEN_OVERFLOW = 2  # a peer claimed more tokens than max_tokens_per_rank
+NUM_FLAGS = 4
+
+
+@dataclasses.dataclass
+class RoutedBatch:
+    """One rank's dispatch input after validation, routing guard and quantisation.
+
+    ``x [T, W]`` payload (any dtype, row-contiguous), ``x_scales [T, S]`` or None, ``topk_ids [T, k]``
+    int64 global ids with duplicates merged and invalid ids set to -1, ``topk_weights [T, k]`` float32
+    (0 on -1 slots).  ``peer_tokens`` holds every rank's T when the control plane exchanged it (eager
+    mode) and None while capturing a CUDA graph (sizes must then be static).
+    """
+
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    epoch: int
+    peer_tokens: Optional[Sequence[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+
+
+class Backend(Protocol):
+    name: ClassVar[str]
+    #: True when the backend moves data with device kernels and never syncs the host in dispatch/combine
+    graph_capturable: ClassVar[bool]
+
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability:
+        """Whether this rank can run the backend (local check, no communication)."""
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> "Backend":
+        """Collective over the group: allocate buffers, exchange handles."""
+
+    def dispatch(self, batch: RoutedBatch) -> Dispatched: ...
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
+        """Write ``[T, hidden]`` into ``out`` (cfg.dtype) and return it."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,263 @@
+"""Shared data plane of the collective backends (``naive`` and ``ag_rs``).
+
+Both move every rank's tokens to every rank (an all-gather) and bring partial outputs back with a
+reduction; they differ only in the collectives (padded all_gather + all_reduce vs. all_gatherv +
+reduce_scatterv).  This module holds what they share:
+
+  * one packed byte buffer per rank — header | ids | weights | payload | scales — so a dispatch is a
+    single collective whatever the payload dtype (bf16, fp8, packed uint8 ...);
+  * selecting this rank's (token, expert) pairs into the standard or batched layout on the device,
+    without host synchronisation (CUDA-graph safe);
+  * the float32 partial sums for combine, with padding rows masked (NaN in padding never leaks);
+  * the (op, epoch) headers that let a graph replay detect a peer on another call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..layouts import Dispatched
+from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, BackendContext, RoutedBatch
+
+MAGIC = 0x45504331  # "EPC1"
+HEADER_INTS = 8
+ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def epoch_code(op: int, epoch: int) -> int:
+    """A small positive int that is exact in float32 (combine headers ride in fp32 sums)."""
+    return (((epoch % (1 << 20)) << 2) | (op & 3)) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Byte offsets of the per-rank packed buffer for ``rows`` token slots."""
+
+    rows: int
+    top_k: int
+    x_shape_tail: tuple[int, ...]
+    x_dtype: torch.dtype
+    s_width: int
+    s_dtype: Optional[torch.dtype]
+
+    @property
+    def x_row_bytes(self) -> int:
+        n = 1
+        for d in self.x_shape_tail:
+            n *= d
+        return n * self.x_dtype.itemsize
+
+    @property
+    def s_row_bytes(self) -> int:
+        return 0 if self.s_dtype is None else self.s_width * self.s_dtype.itemsize
+
+    @property
+    def ids_off(self) -> int:
+        return _align(HEADER_INTS * 4)
+
+    @property
+    def w_off(self) -> int:
+        return self.ids_off + _align(self.rows * self.top_k * 4)
+
+    @property
+    def x_off(self) -> int:
+        return self.w_off + _align(self.rows * self.top_k * 4)
+
+    @property
+    def s_off(self) -> int:
+        return self.x_off + _align(self.rows * self.x_row_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.s_off + _align(self.rows * self.s_row_bytes)
+
+
+def layout_for(batch: RoutedBatch, rows: int) -> PackLayout:
+    s = batch.x_scales
+    return PackLayout(
+        rows, batch.topk_ids.shape[1], tuple(batch.x.shape[1:]), batch.x.dtype,
+        0 if s is None else s.shape[1], None if s is None else s.dtype,
+    )
+
+
+def pack(batch: RoutedBatch, layout: PackLayout, op: int, rank: int, out: torch.Tensor) -> torch.Tensor:
+    """Write ``batch`` into the uint8 buffer ``out [layout.nbytes]``; slots past T are padding (ids -1)."""
+    t, rows, k = batch.num_tokens, layout.rows, layout.top_k
+    # scalar fills, not a host tensor copy: a pageable H2D copy is illegal while capturing a CUDA graph
+    header = out[: HEADER_INTS * 4].view(torch.int32)
+    for i, value in enumerate((MAGIC, op, batch.epoch % (1 << 31), t, rank, 0, 0, 0)):
+        header[i].fill_(value)
+    ids = out[layout.ids_off: layout.ids_off + rows * k * 4].view(torch.int32).view(rows, k)
+    ids[:t].copy_(batch.topk_ids)
+    ids[t:].fill_(-1)
+    w = out[layout.w_off: layout.w_off + rows * k * 4].view(torch.float32).view(rows, k)
+    w[:t].copy_(batch.topk_weights)
+    w[t:].zero_()
+    if t:
+        xb = out[layout.x_off: layout.x_off + t * layout.x_row_bytes]
+        xb.copy_(batch.x.reshape(t, -1).view(torch.uint8).reshape(-1))
+        if batch.x_scales is not None:
+            sb = out[layout.s_off: layout.s_off + t * layout.s_row_bytes]
+            sb.copy_(batch.x_scales.contiguous().view(torch.uint8).reshape(-1))
+    return out
+
+
+@dataclasses.dataclass
+class Gathered:
+    """All ranks' tokens concatenated rank-major: rows ``[offsets[r], offsets[r] + rows[r])`` are rank r's."""
+
+    ids: torch.Tensor  # [R, k] int64 global ids (-1 padding)
+    weights: torch.Tensor  # [R, k] float32
+    x: torch.Tensor  # [R, *tail] payload dtype
+    x_scales: Optional[torch.Tensor]  # [R, S]
+    rows: list[int]
+    headers: torch.Tensor  # [world, HEADER_INTS] int32
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.rows:
+            out.append(acc)
+            acc += n
+        return out
+
+
+def unpack(buffers: Sequence[torch.Tensor], layouts: Sequence[PackLayout]) -> Gathered:
+    """Concatenate the per-rank packed buffers into rank-major tensors (one copy per field)."""
+    ids, ws, xs, ss, hdrs = [], [], [], [], []
+    for buf, lay in zip(buffers, layouts):
+        n, k = lay.rows, lay.top_k
+        hdrs.append(buf[: HEADER_INTS * 4].view(torch.int32))
+        ids.append(buf[lay.ids_off: lay.ids_off + n * k * 4].view(torch.int32).view(n, k))
+        ws.append(buf[lay.w_off: lay.w_off + n * k * 4].view(torch.float32).view(n, k))
+        xs.append(buf[lay.x_off: lay.x_off + n * lay.x_row_bytes].view(lay.x_dtype).view(n, *lay.x_shape_tail))
+        if lay.s_dtype is not None:
+            ss.append(buf[lay.s_off: lay.s_off + n * lay.s_row_bytes].view(lay.s_dtype).view(n, lay.s_width))
+    return Gathered(
+        ids=torch.cat(ids).to(torch.int64),
+        weights=torch.cat(ws),
+        x=torch.cat(xs),
+        x_scales=torch.cat(ss) if ss else None,
+        rows=[lay.rows for lay in layouts],
+        headers=torch.stack(hdrs),
+    )
+
+
+def check_dispatch_headers(ctx: BackendContext, g: Gathered, op: int, epoch: int) -> None:
+    """Count (on the device, no sync) peers whose header shows another call or too many tokens."""
+    h = g.headers
+    bad = (h[:, 0] != MAGIC) | (h[:, 1] != op) | (h[:, 2] != epoch % (1 << 31))
+    ctx.error_flags[FLAG_EPOCH_MISMATCH] += bad.sum()
+    ctx.error_flags[FLAG_TOKEN_OVERFLOW] += (h[:, 3] > ctx.cfg.max_tokens_per_rank).sum()
+
+
+@dataclasses.dataclass
+class GatherHandle:
+    """What combine needs from a dispatch of the collective backends."""
+
+    rows: list[int]  # rows per source rank in the gathered order
+    row_valid: torch.Tensor  # [R] bool: the row has at least one expert on this rank
+    dest: Optional[torch.Tensor]  # [R, k] int64 flat slot in [L*capacity] (batched), dummy = L*capacity
+    local_weights: torch.Tensor  # [R, k] float32, 0 where the expert is not on this rank
+
+
+def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) -> Dispatched:
+    """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync)."""
+    cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
+    first = ctx.rank * L
+    local = g.ids - first
+    is_local = (g.ids >= 0) & (local >= 0) & (local < L)
+    local_ids = torch.where(is_local, local, torch.full_like(local, -1))
+    local_w = torch.where(is_local, g.weights, torch.zeros_like(g.weights))
+    row_valid = is_local.any(dim=1)
+
+    if cfg.layout == "standard":
+        handle = GatherHandle(g.rows, row_valid, None, local_w)
+        return Dispatched(
+            layout="standard", x=g.x, x_scales=g.x_scales, topk_ids=local_ids.to(torch.int32),
+            topk_weights=local_w, num_tokens=num_tokens, epoch=epoch, handle=handle,
+        )
+
+    # batched: slot of each (row, expert) pair = how many earlier pairs (row-major) chose that expert
+    r, k = local_ids.shape
+    pair_expert = local_ids.reshape(-1)
+    onehot = torch.zeros(r * k, L, dtype=torch.int32, device=g.ids.device)
+    valid_pairs = pair_expert >= 0
+    onehot.scatter_(1, pair_expert.clamp_min(0).unsqueeze(1), valid_pairs.to(torch.int32).unsqueeze(1))
+    running = torch.cumsum(onehot, dim=0)
+    slot = torch.gather(running, 1, pair_expert.clamp_min(0).unsqueeze(1)).squeeze(1) - 1
+    dummy = L * cap
+    dest = torch.where(valid_pairs, pair_expert * cap + slot, torch.full_like(slot, dummy)).to(torch.int64)
+    dest = dest.view(r, k)
+    expert_num_tokens = running[-1].to(torch.int32) if r * k else torch.zeros(L, dtype=torch.int32, device=g.ids.device)
+
+    # move rows as raw bytes: works for every payload dtype (fp8 has no index_copy kernel on CPU)
+    tail = tuple(g.x.shape[1:])
+    x_bytes = g.x.reshape(r, -1).view(torch.uint8)
+    x_b = torch.empty((dummy + 1, x_bytes.shape[1]), dtype=torch.uint8, device=g.x.device)
+    s_bytes = s_b = None
+    if g.x_scales is not None:
+        s_bytes = g.x_scales.view(torch.uint8)
+        s_b = torch.empty((dummy + 1, s_bytes.shape[1]), dtype=torch.uint8, device=g.x.device)
+    for j in range(k):
+        x_b.index_copy_(0, dest[:, j], x_bytes)
+        if s_b is not None:
+            s_b.index_copy_(0, dest[:, j], s_bytes)
+    x_out = x_b[:dummy].view(g.x.dtype).view(L, cap, *tail)
+    s_out = None if s_b is None else s_b[:dummy].view(g.x_scales.dtype).view(L, cap, -1)
+    handle = GatherHandle(g.rows, row_valid, dest, local_w)
+    return Dispatched(
+        layout="batched", x=x_out, x_scales=s_out,
+        expert_num_tokens=expert_num_tokens, num_tokens=num_tokens, epoch=epoch, handle=handle,
+    )
+
+
+def combine_partial(ctx: BackendContext, expert_out: torch.Tensor, handle: GatherHandle) -> torch.Tensor:
+    """float32 ``[R, hidden]``: this rank's contribution to every gathered token (padding masked)."""
+    if handle.dest is None:  # standard: rows are already weighted sums over this rank's experts
+        return torch.where(handle.row_valid.unsqueeze(1), expert_out.float(), 0.0)
+    flat = expert_out.reshape(-1, expert_out.shape[-1])
+    dummy = flat.shape[0]
+    acc = torch.zeros(handle.dest.shape[0], flat.shape[1], dtype=torch.float32, device=flat.device)
+    for j in range(handle.dest.shape[1]):
+        d = handle.dest[:, j]
+        valid = (d < dummy).unsqueeze(1)
+        rows = flat.index_select(0, d.clamp_max(dummy - 1)).float()
+        acc += torch.where(valid, rows * handle.local_weights[:, j: j + 1], 0.0)
+    return acc
+
+
+def add_combine_headers(ctx: BackendContext, partial: torch.Tensor, rows: Sequence[int], op: int, epoch: int):
+    """Lay ``partial`` out as one chunk per destination rank, each followed by a header row.
+
+    The header row of every chunk carries, in column ``src``, the sender's (op, epoch) code; after the
+    reduction the receiver finds every peer's code in its chunk.  Returns ``(buffer, chunk_rows)``.
+    """
+    world, hidden = ctx.world_size, partial.shape[1]
+    with_header = hidden >= world
+    extra = 1 if with_header else 0
+    chunks = []
+    start = 0
+    for n in rows:
+        chunks.append(partial[start: start + n])
+        if with_header:
+            hdr = torch.zeros(1, hidden, dtype=torch.float32, device=partial.device)
+            hdr[0, ctx.rank] = float(epoch_code(op, epoch))
+            chunks.append(hdr)
+        start += n
+    return torch.cat(chunks), [n + extra for n in rows]
+
+
+def check_combine_header(ctx: BackendContext, chunk: torch.Tensor, op: int, epoch: int) -> torch.Tensor:
+    """Strip the header row from this rank's reduced chunk, counting mismatching peers on the device."""
+    if chunk.shape[1] < ctx.world_size:
+        return chunk
+    hdr = chunk[-1, : ctx.world_size]
+    ctx.error_flags[FLAG_EPOCH_MISMATCH] += (hdr != float(epoch_code(op, epoch))).sum()
+    return chunk[:-1]

@@ -1,0 +1,220 @@
+"""``Communicator``: validation, backend choice and the public dispatch/combine (DESIGN §2)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import backends as _backends
+from .config import EPConfig
+from .distributed.bootstrap import init_distributed
+from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
+from .distributed.topology import gather_topology
+from .errors import EPConfigError, EPError, EPInputError, EPTopologyError
+from .layouts import Dispatched
+from .quant import quantize_fp8
+from .routing import check_ids, sanitize_routing
+from .backends.base import FLAG_EPOCH_MISMATCH, FLAG_INVALID_IDS, FLAG_TOKEN_OVERFLOW, NUM_FLAGS
+from .validation import validate_combine, validate_dispatch
+
+
+def _group_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def available_backends(ctx: Optional[_backends.BackendContext] = None) -> dict[str, str]:
+    """``{name: ""}`` for usable backends and ``{name: reason}`` for the others (local view)."""
+    out: dict[str, str] = {}
+    for name, cls in _backends.registered().items():
+        out[name] = "" if ctx is None else cls.availability(ctx).reason
+        if ctx is not None and not cls.availability(ctx).ok and not out[name]:
+            out[name] = "unavailable"
+    for name, why in _backends.NOT_BUILT.items():
+        out[name] = why
+    return out
+
+
+class Communicator:
+    """Expert-parallel dispatch/combine over a process group.  Creating one is collective.
+
+    Attributes: ``rank``, ``world_size``, ``num_local_experts`` (L), ``backend`` (resolved name),
+    ``capacity`` (= max_tokens_per_rank × world_size, rows per expert in the batched layout).
+    """
+
+    def __init__(self, cfg: EPConfig, group: Optional[dist.ProcessGroup] = None):
+        if not isinstance(cfg, EPConfig):
+            raise EPConfigError("cfg", type(cfg).__name__, "must be an ep_comm.EPConfig")
+        if not dist.is_initialized():
+            init_distributed(cfg.timeout_s)
+        self.cfg = cfg
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        cfg.check_world(self.world_size)
+        self.num_local_experts = cfg.num_experts // self.world_size
+        self.capacity = cfg.capacity(self.world_size)
+        self.device = _group_device(group)
+        self.control = ControlPlane(group, cfg.timeout_s)
+        self.topology = gather_topology(self.control.cpu_group, self.device.index)
+        self._error_flags = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=self.device)
+        self._ctx = _backends.BackendContext(
+            cfg=cfg, group=group, control=self.control, topology=self.topology, rank=self.rank,
+            world_size=self.world_size, device=self.device, error_flags=self._error_flags,
+        )
+        self.backend = self._choose_backend(cfg.resolved_backend_request())
+        self._impl = _backends.get_backend(self.backend).create(self._ctx)
+        self._epoch = 0
+        self._closed = False
+
+    # -- backend choice ------------------------------------------------------------------------------
+    def _choose_backend(self, requested: str) -> str:
+        """Every rank reports what it can run; all ranks pick the same backend or all raise."""
+        local = {}
+        for name, cls in _backends.registered().items():
+            a = cls.availability(self._ctx)
+            local[name] = "" if a.ok else (a.reason or "unavailable")
+        for name, why in _backends.NOT_BUILT.items():
+            local[name] = why
+        everyone = self.control.gather_objects(local)
+
+        def blocker(name: str) -> str:
+            reasons = [f"rank {r}: {v[name]}" for r, v in enumerate(everyone) if v.get(name, "unknown")]
+            return "; ".join(reasons)
+
+        if requested != "auto":
+            why = blocker(requested)
+            if why:
+                usable = [n for n in _backends.registered() if not blocker(n)]
+                raise EPTopologyError(f"backend {requested!r} cannot run on this group ({why}); usable: {usable}")
+            return requested
+        for name in _backends.AUTO_ORDER:
+            if name in local and not blocker(name):
+                return name
+        raise EPTopologyError("no backend usable on every rank: " + "; ".join(f"{n}: {blocker(n)}" for n in local))
+
+    # -- public API ----------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        x_scales: Optional[torch.Tensor] = None,
+    ) -> Dispatched:
+        """Send each token to the ranks owning its experts.
+
+        Args:
+            x: ``[T, hidden]`` payload, ``0 <= T <= max_tokens_per_rank`` (any dtype when ``quant`` is
+               None, e.g. packed NVFP4 as uint8 ``[T, hidden // 2]``; bf16/fp16/fp32 for ``quant="fp8"``).
+            topk_ids: ``[T, top_k]`` int32/int64 global expert ids; -1 means no expert.
+            topk_weights: ``[T, top_k]`` float32.
+            x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``).
+        Returns:
+            ``Dispatched`` in the configured layout (see ``ep_comm.layouts``).
+        """
+        self._check_open()
+        capturing = self._capturing()
+        error: Optional[BaseException] = None
+        try:
+            validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
+            if not capturing:
+                check_ids(topk_ids, self.cfg.num_experts, self.rank)
+        except EPInputError as exc:
+            error = exc
+        if capturing:
+            if error is not None:
+                raise error
+            peer_tokens = None
+        else:
+            peers = self.control.agree(OP_DISPATCH, self._epoch, x.shape[0], error)
+            peer_tokens = [p.num_tokens for p in peers]
+
+        ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
+        if capturing:
+            self._error_flags[FLAG_INVALID_IDS] += num_invalid
+        if self.cfg.quant == "fp8":
+            payload, scales = quantize_fp8(x)
+        else:
+            payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
+        batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, peer_tokens)
+        out = self._impl.dispatch(batch)
+        out.owner = self
+        self._epoch += 1
+        return out
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Bring expert outputs back to the tokens' ranks and reduce them (float32 accumulation).
+
+        Args:
+            expert_out: batched ``[L, capacity, hidden]`` unweighted expert outputs, or standard
+                ``[N, hidden]`` rows already weighted and summed over this rank's experts.
+            dispatched: what ``dispatch`` returned on this rank for the same call.
+            out: optional ``[T, hidden]`` tensor of ``cfg.dtype`` to write into.
+        Returns:
+            ``[T, hidden]`` of ``cfg.dtype``; tokens with no valid expert get zeros.
+        """
+        self._check_open()
+        capturing = self._capturing()
+        error: Optional[BaseException] = None
+        try:
+            if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
+                raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
+            validate_combine(self.cfg, self.device, expert_out, dispatched, out)
+        except EPInputError as exc:
+            error = exc
+        if capturing:
+            if error is not None:
+                raise error
+        else:
+            self.control.agree(OP_COMBINE, dispatched.epoch if error is None else -1,
+                               0 if error is not None else dispatched.num_tokens, error)
+        if out is None:
+            out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        return self._impl.combine(expert_out, dispatched, out)
+
+    def check_errors(self) -> None:
+        """Raise for problems counted on the device without a host sync (CUDA-graph replays).
+
+        Synchronises the device.  Resets the counters.
+        """
+        flags = self._error_flags.tolist()
+        self._error_flags.zero_()
+        if flags[FLAG_EPOCH_MISMATCH]:
+            raise EPError(f"{flags[FLAG_EPOCH_MISMATCH]} peer message(s) carried another call's epoch: "
+                          "ranks replayed different dispatch/combine calls")
+        if flags[FLAG_TOKEN_OVERFLOW]:
+            raise EPError(f"{flags[FLAG_TOKEN_OVERFLOW]} peer(s) sent more than max_tokens_per_rank="
+                          f"{self.cfg.max_tokens_per_rank} tokens")
+        if flags[FLAG_INVALID_IDS]:
+            raise EPInputError(f"{flags[FLAG_INVALID_IDS]} topk_ids outside [-1, num_experts="
+                               f"{self.cfg.num_experts}) were treated as -1 during graph replays")
+
+    def close(self) -> None:
+        """Release backend resources.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._impl.close()
+        finally:
+            self.control.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"layout={self.cfg.layout!r}, num_local_experts={self.num_local_experts})")
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EPError("communicator is closed")
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

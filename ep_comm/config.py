@@ -1,0 +1,102 @@
+"""``EPConfig``: the static shape of an expert-parallel exchange (DESIGN §2)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .errors import EPConfigError
+
+LAYOUTS = ("standard", "batched")
+BACKEND_NAMES = ("auto", "naive", "ag_rs", "mnnvl", "nvshmem")
+QUANT_MODES = (None, "fp8")
+FP8_BLOCK = 128  # channels per fp8 scale (DeepSeek-V3 recipe)
+BACKEND_ENV = "EP_COMM_BACKEND"
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def parse_dtype(value: "torch.dtype | str") -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPE_NAMES[str(value).lower().replace("torch.", "")]
+    except KeyError:
+        raise EPConfigError("dtype", value, f"expected one of {sorted(set(_DTYPE_NAMES))}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """Static description of one MoE layer's exchange.
+
+    Rank ``r`` owns global experts ``[r*L, (r+1)*L)`` with ``L = num_experts // world_size``.
+    ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    max_tokens_per_rank: int
+    dtype: torch.dtype = torch.bfloat16
+    layout: str = "standard"
+    backend: str = "auto"
+    quant: Optional[str] = None
+    timeout_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        for name in ("num_experts", "top_k", "hidden", "max_tokens_per_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise EPConfigError(name, value, "must be a positive int")
+        if self.top_k > self.num_experts:
+            raise EPConfigError("top_k", self.top_k, f"exceeds num_experts={self.num_experts}")
+        if self.dtype not in _FLOAT_DTYPES:
+            raise EPConfigError("dtype", self.dtype, "must be bfloat16, float16 or float32")
+        if self.layout not in LAYOUTS:
+            raise EPConfigError("layout", self.layout, f"must be one of {LAYOUTS}")
+        if self.backend not in BACKEND_NAMES:
+            raise EPConfigError("backend", self.backend, f"must be one of {BACKEND_NAMES}")
+        if self.quant not in QUANT_MODES:
+            raise EPConfigError("quant", self.quant, f"must be one of {QUANT_MODES}")
+        if self.quant == "fp8" and self.hidden % FP8_BLOCK:
+            raise EPConfigError("hidden", self.hidden, f"quant='fp8' needs hidden % {FP8_BLOCK} == 0")
+        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise EPConfigError("timeout_s", self.timeout_s, "must be a positive finite number of seconds")
+
+    def check_world(self, world_size: int) -> None:
+        """Raise EPConfigError unless the experts split evenly over ``world_size`` ranks."""
+        if self.num_experts % world_size:
+            raise EPConfigError(
+                "num_experts", self.num_experts,
+                f"must be divisible by the world size {world_size} (contiguous expert blocks per rank)",
+            )
+
+    def num_local_experts(self, world_size: int) -> int:
+        self.check_world(world_size)
+        return self.num_experts // world_size
+
+    def capacity(self, world_size: int) -> int:
+        """Rows per expert in the batched layout: every token of every rank could pick one expert."""
+        return self.max_tokens_per_rank * world_size
+
+    def resolved_backend_request(self) -> str:
+        """``backend`` with ``EP_COMM_BACKEND`` applied (it only overrides ``auto``)."""
+        if self.backend != "auto":
+            return self.backend
+        env = os.environ.get(BACKEND_ENV, "").strip()
+        if not env:
+            return "auto"
+        if env not in BACKEND_NAMES:
+            raise EPConfigError("backend", env, f"from ${BACKEND_ENV}: must be one of {BACKEND_NAMES}")
+        return env
+
+    def replace(self, **changes) -> "EPConfig":
+        return dataclasses.replace(self, **changes)

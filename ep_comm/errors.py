@@ -1,0 +1,41 @@
+"""Typed errors of ep_comm (DESIGN §5).
+
+Every failure a user can cause or meet is one of these; nothing in the library uses ``assert`` for
+error handling.  ``EPConfigError`` and ``EPInputError`` also derive from ``ValueError`` so engines that
+catch ``ValueError`` around their input handling keep working.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+class EPError(RuntimeError):
+    """Base class of every ep_comm error."""
+
+
+class EPConfigError(EPError, ValueError):
+    """An ``EPConfig`` field (or the group it is used with) is invalid; the message names the field."""
+
+    def __init__(self, field: str, value: object, why: str):
+        self.field = field
+        self.value = value
+        super().__init__(f"EPConfig.{field}={value!r}: {why}")
+
+
+class EPInputError(EPError, ValueError):
+    """A tensor passed to dispatch/combine is invalid; the message names the argument and value."""
+
+
+class EPTopologyError(EPError):
+    """The ranks cannot be connected the way the chosen backend needs (e.g. cross-host without fabric)."""
+
+
+class EPTimeoutError(EPError):
+    """One or more peers did not arrive within ``timeout_s``; ``missing_ranks`` names them."""
+
+    def __init__(self, message: str, missing_ranks: Iterable[int] = ()):
+        self.missing_ranks: Sequence[int] = tuple(sorted(set(missing_ranks)))
+        super().__init__(message)
+
+
+__all__ = ["EPError", "EPConfigError", "EPInputError", "EPTopologyError", "EPTimeoutError"]

@@ -1,0 +1,40 @@
+"""``Dispatched``: what ``dispatch`` hands to the engine's expert kernels (DESIGN §3)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """Tokens received by this rank.
+
+    standard layout (``layout == "standard"``):
+      - ``x``: ``[N, hidden]`` one row per (source token, this rank); rows whose ``topk_ids`` are all -1
+        are padding.  ``N`` is fixed per communicator where the backend can (CUDA graphs).
+      - ``x_scales``: ``[N, S]`` or None.
+      - ``topk_ids``: ``[N, top_k]`` int32 local expert ids in ``[0, L)``, -1 elsewhere.
+      - ``topk_weights``: ``[N, top_k]`` float32, 0 where the id is -1.
+    batched layout (``layout == "batched"``):
+      - ``x``: ``[L, capacity, hidden]``; rows ``[e, :expert_num_tokens[e]]`` are valid.
+      - ``x_scales``: ``[L, capacity, S]`` or None.
+      - ``expert_num_tokens``: ``[L]`` int32 on the device.
+    ``handle`` is the backend's private state that ``combine`` needs; treat it as opaque.
+    """
+
+    layout: str
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_weights: Optional[torch.Tensor] = None
+    expert_num_tokens: Optional[torch.Tensor] = None
+    num_tokens: int = 0  # T of the calling rank (rows combine returns)
+    epoch: int = 0
+    handle: Any = dataclasses.field(default=None, repr=False)
+    owner: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def is_batched(self) -> bool:
+        return self.layout == "batched"

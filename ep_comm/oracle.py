@@ -1,0 +1,287 @@
+"""The oracle: plain-torch, single-process reference of dispatch/combine over all ranks' inputs.
+
+This is the single source of truth every backend is compared with (tests, ``ep-comm stress``).  It is
+written as loops over tokens, independent of the backends' vectorised code, so a bug in one does not
+hide in the other.  Row order is backend-defined, so dispatch results are compared as multisets of
+rows keyed by their payload bytes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .config import EPConfig
+from .errors import EPInputError
+from .layouts import Dispatched
+from .quant import dequantize_fp8, quantize_fp8
+
+ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]  # (float32 [n, hidden], global expert) -> [n, hidden]
+
+
+@dataclasses.dataclass
+class RankInput:
+    """One rank's dispatch arguments (kept on the CPU here)."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    x_scales: Optional[torch.Tensor] = None
+
+    def to(self, device) -> "RankInput":
+        s = None if self.x_scales is None else self.x_scales.to(device)
+        return RankInput(self.x.to(device), self.topk_ids.to(device), self.topk_weights.to(device), s)
+
+
+# -- inputs ------------------------------------------------------------------------------------------
+def random_inputs(
+    cfg: EPConfig,
+    world: int,
+    seed: int,
+    tokens: Optional[Sequence[int]] = None,
+    routing: str = "uniform",
+    payload: str = "dtype",
+    scales_width: int = 0,
+    p_minus_one: float = 0.0,
+    p_duplicate: float = 0.0,
+) -> list[RankInput]:
+    """Fresh random inputs for every rank, identical in every process that passes the same seed.
+
+    ``payload``: "dtype" (x of cfg.dtype) or "uint8" (opaque ``[T, hidden // 2]`` bytes, e.g. NVFP4).
+    ``routing``: "uniform" (k distinct random experts per token) or "skewed" (every token's first
+    choice is the same expert).  ``p_minus_one``/``p_duplicate``: chance per slot of -1 / of repeating
+    the token's first id.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = list(tokens) if tokens is not None else [cfg.max_tokens_per_rank] * world
+    hot = int(torch.randint(cfg.num_experts, (1,), generator=g))
+    out = []
+    for t in tokens:
+        if payload == "uint8":
+            x = torch.randint(0, 256, (t, cfg.hidden // 2), dtype=torch.uint8, generator=g)
+        else:
+            x = torch.randn(t, cfg.hidden, generator=g).to(cfg.dtype)
+        ids = torch.argsort(torch.rand(t, cfg.num_experts, generator=g), dim=1)[:, : cfg.top_k]
+        if routing == "skewed" and t:
+            swap = ids == hot
+            ids[swap] = ids[:, :1].expand_as(ids)[swap]  # keep rows distinct after forcing slot 0
+            ids[:, 0] = hot
+        elif routing != "uniform":
+            raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+        if p_duplicate and cfg.top_k > 1:
+            dup = torch.rand(t, cfg.top_k, generator=g) < p_duplicate
+            dup[:, 0] = False
+            ids = torch.where(dup, ids[:, :1].expand_as(ids), ids)
+        if p_minus_one:
+            ids = torch.where(torch.rand(t, cfg.top_k, generator=g) < p_minus_one, torch.full_like(ids, -1), ids)
+        w = torch.rand(t, cfg.top_k, generator=g).float() + 0.05
+        s = torch.randn(t, scales_width, generator=g) if scales_width else None
+        out.append(RankInput(x, ids.to(torch.int32), w, s))
+    return out
+
+
+# -- the reference ------------------------------------------------------------------------------------
+def merged_routes(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> list[dict[int, float]]:
+    """Per token: ``{global expert: summed weight}`` (duplicates merged, -1 skipped)."""
+    routes = []
+    for t in range(ids.shape[0]):
+        row: dict[int, float] = {}
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e == -1:
+                continue
+            if not 0 <= e < num_experts:
+                raise EPInputError(f"topk_ids[{t}, {j}] = {e} out of range")
+            row[e] = row.get(e, 0.0) + float(weights[t, j])
+        routes.append(row)
+    return routes
+
+
+def wire_payload(cfg: EPConfig, inp: RankInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What travels: the fp8 quantised payload and its scales, or x and x_scales unchanged."""
+    if cfg.quant == "fp8":
+        return quantize_fp8(inp.x.cpu())
+    return inp.x.cpu(), None if inp.x_scales is None else inp.x_scales.cpu()
+
+
+def payload_as_float(cfg: EPConfig, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """float32 ``[..., hidden]`` view of a received payload, what a test expert computes on."""
+    if cfg.quant == "fp8":
+        xf = dequantize_fp8(x, x_scales)
+    elif x.dtype == torch.uint8:
+        xf = x.float() / 255.0
+    else:
+        xf = x.float()
+    if xf.shape[-1] != cfg.hidden:  # opaque narrower payload: tile it to the hidden width
+        reps = -(-cfg.hidden // xf.shape[-1])
+        xf = xf.tile((1,) * (xf.dim() - 1) + (reps,))[..., : cfg.hidden]
+    return xf
+
+
+def test_expert(xf: torch.Tensor, expert: int) -> torch.Tensor:
+    """A deterministic, expert-dependent, non-linear stand-in for an expert MLP."""
+    return torch.tanh(xf) * (1.0 + 0.25 * (expert % 5)) + 0.01 * expert
+
+
+@dataclasses.dataclass
+class ExpectedRank:
+    """What one rank must receive."""
+
+    rows: dict  # key -> list of {local expert: weight} (standard; one entry per source token)
+    per_expert: list  # per local expert: Counter of keys (batched)
+
+
+def _row_key(x_row: torch.Tensor, s_row: Optional[torch.Tensor]) -> bytes:
+    key = x_row.contiguous().view(torch.uint8).numpy().tobytes()
+    if s_row is not None:
+        key += s_row.contiguous().view(torch.uint8).numpy().tobytes()
+    return key
+
+
+def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[ExpectedRank]:
+    world = len(inputs)
+    L = cfg.num_experts // world
+    out = [ExpectedRank(collections.defaultdict(list), [collections.Counter() for _ in range(L)]) for _ in range(world)]
+    for inp in inputs:
+        x, s = wire_payload(cfg, inp)
+        for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
+            key = _row_key(x[t], None if s is None else s[t])
+            by_rank: dict[int, dict[int, float]] = collections.defaultdict(dict)
+            for e, w in route.items():
+                by_rank[e // L][e % L] = w
+            for r, local in by_rank.items():
+                out[r].rows[key].append(local)
+                for e in local:
+                    out[r].per_expert[e][key] += 1
+    return out
+
+
+def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput], expert_fn: ExpertFn = test_expert) -> list[torch.Tensor]:
+    """Per rank ``[T, hidden]`` float32: ``y[t] = Σ_e w_e · expert_fn(x[t], e)``; 0 without experts."""
+    outs = []
+    for inp in inputs:
+        x, s = wire_payload(cfg, inp)
+        y = torch.zeros(x.shape[0], cfg.hidden)
+        for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
+            xf = payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1])
+            for e, w in route.items():
+                y[t] += w * expert_fn(xf, e)[0]
+        outs.append(y)
+    return outs
+
+
+# -- what an engine does between dispatch and combine -----------------------------------------------------
+def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: ExpertFn = test_expert,
+                poison: bool = True) -> torch.Tensor:
+    """Apply ``expert_fn`` to a ``Dispatched`` the way an engine's MoE kernel would.
+
+    batched: ``[L, capacity, hidden]`` unweighted outputs; standard: ``[N, hidden]`` rows weighted and
+    summed over the row's local experts.  Padding rows/slots are NaN when ``poison`` (combine must
+    ignore them).  Runs on ``d``'s device, output dtype ``cfg.dtype``.
+    """
+    L = cfg.num_experts // world
+    dev = d.x.device
+    if d.layout == "batched":
+        out = torch.full((L, d.x.shape[1], cfg.hidden), float("nan") if poison else 0.0, device=dev)
+        counts = d.expert_num_tokens.tolist()
+        for e in range(L):
+            n = counts[e]
+            if n:
+                s = None if d.x_scales is None else d.x_scales[e, :n]
+                out[e, :n] = expert_fn(payload_as_float(cfg, d.x[e, :n], s), rank * L + e)
+        return out.to(cfg.dtype)
+    xf = payload_as_float(cfg, d.x, d.x_scales)
+    out = torch.zeros(d.x.shape[0], cfg.hidden, device=dev)
+    ids, w = d.topk_ids, d.topk_weights
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        wt = torch.where(ids == e, w, torch.zeros_like(w)).sum(dim=1, keepdim=True)
+        out += wt * expert_fn(xf, rank * L + e)
+    if poison:
+        out[(ids < 0).all(dim=1)] = float("nan")
+    return out.to(cfg.dtype)
+
+
+# -- comparison ---------------------------------------------------------------------------------------------
+def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_report: int = 5) -> list[str]:
+    """Differences between a backend's ``Dispatched`` and the oracle's (empty list = match)."""
+    problems: list[str] = []
+    if d.layout == "batched":
+        counts = d.expert_num_tokens.cpu().tolist()
+        x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
+        for e, want in enumerate(expected.per_expert):
+            n = counts[e]
+            if n != sum(want.values()):
+                problems.append(f"expert {e}: expert_num_tokens={n}, expected {sum(want.values())}")
+                continue
+            got = collections.Counter(_row_key(x[e, i], None if s is None else s[e, i]) for i in range(n))
+            if got != want:
+                problems.append(f"expert {e}: received rows differ from the oracle ({len(got - want)} unexpected, "
+                                f"{len(want - got)} missing)")
+            if len(problems) >= max_report:
+                break
+        return problems
+
+    ids, w = d.topk_ids.cpu(), d.topk_weights.cpu()
+    if ids.dtype != torch.int32:
+        problems.append(f"topk_ids dtype {ids.dtype}, expected int32")
+    if bool((w[ids < 0] != 0).any()):
+        problems.append("topk_weights non-zero where topk_ids is -1")
+    if bool(((ids < -1) | (ids >= len(expected.per_expert))).any()):
+        problems.append(f"topk_ids outside [-1, {len(expected.per_expert)})")
+    x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
+    got: dict = collections.defaultdict(list)
+    for i in range(x.shape[0]):
+        valid = ids[i] >= 0
+        if not bool(valid.any()):
+            continue
+        local = {}
+        for j in torch.nonzero(valid).flatten().tolist():
+            e = int(ids[i, j])
+            if e in local:
+                problems.append(f"row {i}: local expert {e} appears twice (duplicates must be merged)")
+            local[e] = local.get(e, 0.0) + float(w[i, j])
+        got[_row_key(x[i], None if s is None else s[i])].append(local)
+    if set(got) != set(expected.rows):
+        problems.append(f"received {sum(map(len, got.values()))} rows, expected {sum(map(len, expected.rows.values()))}; "
+                        f"{len(set(got) - set(expected.rows))} unexpected, {len(set(expected.rows) - set(got))} missing")
+        return problems[:max_report]
+    for key, want in expected.rows.items():
+        have = got[key]
+        if not _same_routes(have, want):
+            problems.append(f"row routes differ: got {have[:2]}, expected {want[:2]}")
+            if len(problems) >= max_report:
+                break
+    return problems
+
+
+def _same_routes(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    canon = lambda rs: sorted((tuple(sorted(r)), tuple(r[k] for k in sorted(r))) for r in rs)  # noqa: E731
+    for (ka, wa), (kb, wb) in zip(canon(a), canon(b)):
+        if ka != kb or any(abs(x - y) > 1e-5 * max(1.0, abs(y)) for x, y in zip(wa, wb)):
+            return False
+    return True
+
+
+def combine_tolerance(cfg: EPConfig) -> float:
+    """Max relative error of combine vs the oracle: output rounding to cfg.dtype dominates."""
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[cfg.dtype]
+
+
+def compare_combine(cfg: EPConfig, y: torch.Tensor, expected: torch.Tensor) -> list[str]:
+    y, expected = y.detach().float().cpu(), expected.float()
+    if tuple(y.shape) != tuple(expected.shape):
+        return [f"combine output shape {tuple(y.shape)}, expected {tuple(expected.shape)}"]
+    if not torch.isfinite(y).all():
+        return ["combine output has NaN/Inf"]
+    if expected.numel() == 0:
+        return []
+    err = (y - expected).norm() / expected.norm().clamp_min(1e-12)
+    worst = (y - expected).abs().max()
+    tol = combine_tolerance(cfg)
+    if err > tol or worst > 50 * tol * max(1.0, float(expected.abs().max())):
+        return [f"combine differs from oracle: rel err {float(err):.3g} (tol {tol:g}), max abs err {float(worst):.3g}"]
+    return []

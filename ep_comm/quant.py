@@ -1,0 +1,30 @@
+"""FP8 (e4m3) per-token, per-128-channel quantisation (DESIGN §2, the DeepSeek-V3 recipe)."""
+from __future__ import annotations
+
+import torch
+
+from .config import FP8_BLOCK
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` float → ``(q [T, H] float8_e4m3fn, scales [T, H // block] float32)``.
+
+    ``scale = max(amax, 1e-4) / 448`` per token per block; ``x ≈ q.float() * scale``.
+    """
+    t, h = x.shape
+    blocks = x.float().reshape(t, h // block, block)
+    amax = blocks.abs().amax(dim=2).clamp_min(AMAX_FLOOR)
+    scales = amax / FP8_MAX
+    q = (blocks / scales.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(t, h)
+    return q, scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Inverse of ``quantize_fp8`` up to rounding: float32 ``[..., H]`` from q ``[..., H]`` and scales."""
+    shape = q.shape
+    blocks = q.float().reshape(*shape[:-1], shape[-1] // block, block)
+    return (blocks * scales.float().unsqueeze(-1)).reshape(shape)

@@ -1,0 +1,100 @@
+"""Routing guard and NaN-safe top-k (DESIGN §3, seed bugs vLLM #39593 and #39391).
+
+Everything here runs on the device without host synchronisation except ``find_invalid_ids``, which the
+eager validation path uses to name the offending token.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .errors import EPInputError
+
+
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-safe ``torch.topk`` over the last dimension.
+
+    Rows without NaN give exactly what ``torch.topk(logits, k)`` gives.  NaN entries rank below every
+    number (they become ``-inf``), so a row of NaNs still yields ``k`` distinct ids and no downstream
+    kernel sees a duplicate.  Returns ``(values, ids)``; ``ids`` is int64 like ``torch.topk``.
+    """
+    if k > logits.shape[-1]:
+        raise EPInputError(f"topk: k={k} exceeds the number of experts {logits.shape[-1]}")
+    if logits.is_floating_point():
+        has_nan = torch.isnan(logits)
+        cleaned = torch.where(has_nan, torch.full_like(logits, float("-inf")), logits)
+        values, ids = torch.topk(cleaned, k, dim=-1)
+        # rows of equal values (all -inf) make torch.topk's choice unspecified; make it deterministic
+        # and distinct by ranking ties by index.
+        row_nan = has_nan.any(dim=-1, keepdim=True)
+        if logits.numel():
+            fallback_ids = _distinct_topk_by_index(cleaned, k)
+            ids = torch.where(row_nan, fallback_ids, ids)
+            values = torch.where(row_nan, torch.gather(cleaned, -1, ids), values)
+        return values, ids
+    return torch.topk(logits, k, dim=-1)
+
+
+def _distinct_topk_by_index(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k with ties broken by lower index (stable sort), always k distinct positions."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
+def invalid_id_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """True where an id is neither -1 nor a valid global expert id."""
+    return (topk_ids < -1) | (topk_ids >= num_experts)
+
+
+def find_invalid_ids(topk_ids: torch.Tensor, num_experts: int) -> Optional[tuple[int, int, int]]:
+    """First ``(token, slot, id)`` with an out-of-range id, or None.  Synchronises the device."""
+    bad = invalid_id_mask(topk_ids, num_experts)
+    if not bool(bad.any()):
+        return None
+    flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
+    k = topk_ids.shape[1]
+    tok, slot = divmod(flat, k)
+    return tok, slot, int(topk_ids[tok, slot])
+
+
+def check_ids(topk_ids: torch.Tensor, num_experts: int, rank: Optional[int] = None) -> None:
+    """Raise ``EPInputError`` naming the token index and the id if any id is out of range."""
+    found = find_invalid_ids(topk_ids, num_experts)
+    if found is not None:
+        tok, slot, value = found
+        where = f" on rank {rank}" if rank is not None else ""
+        raise EPInputError(
+            f"topk_ids[{tok}, {slot}] = {value}{where} is not a valid expert id: expected -1 or 0 <= id < "
+            f"num_experts={num_experts}"
+        )
+
+
+def sanitize_routing(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge duplicate ids per token and drop invalid ones, without host synchronisation.
+
+    Returns ``(ids, weights, num_invalid)``: ``ids`` int64 ``[T, k]`` where each valid expert appears
+    at most once per row (its first slot) and every other slot is -1; ``weights`` float32 ``[T, k]``
+    with the duplicates' weights summed into the first slot and 0 on -1 slots; ``num_invalid`` a 0-d
+    int64 device tensor counting out-of-range ids (treated as -1).
+    """
+    ids = topk_ids.to(torch.int64)
+    weights = topk_weights.to(torch.float32)
+    invalid = invalid_id_mask(ids, num_experts)
+    num_invalid = invalid.sum()
+    ids = torch.where(invalid, torch.full_like(ids, -1), ids)
+    valid = ids >= 0
+    k = ids.shape[1]
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & valid.unsqueeze(2)  # [T, k, k]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
+    is_dup = (same & earlier).any(dim=2)
+    keep = valid & ~is_dup
+    merged = (same.to(torch.float32) * weights.unsqueeze(1)).sum(dim=2)
+    out_ids = torch.where(keep, ids, torch.full_like(ids, -1))
+    out_w = torch.where(keep, merged, torch.zeros_like(merged))
+    return out_ids, out_w, num_invalid
+
+
+__all__ = ["topk", "sanitize_routing", "check_ids", "find_invalid_ids", "invalid_id_mask"]
