@@ -121,14 +121,15 @@ class Communicator:
             validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
             if not capturing:
                 check_ids(topk_ids, self.cfg.num_experts, self.rank)
-        except EPInputError as exc:
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
+            error = exc if isinstance(exc, EPError) else EPInputError(f"invalid dispatch input: {exc!r}")
         if capturing:
             if error is not None:
                 raise error
             peer_tokens = None
         else:
-            peers = self.control.agree(OP_DISPATCH, self._epoch, x.shape[0], error)
+            num_tokens = x.shape[0] if error is None else 0
+            peers = self.control.agree(OP_DISPATCH, self._epoch, num_tokens, error)
             peer_tokens = [p.num_tokens for p in peers]
 
         ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
@@ -162,8 +163,8 @@ class Communicator:
             if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
             validate_combine(self.cfg, self.device, expert_out, dispatched, out)
-        except EPInputError as exc:
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
+            error = exc if isinstance(exc, EPError) else EPInputError(f"invalid combine input: {exc!r}")
         if capturing:
             if error is not None:
                 raise error

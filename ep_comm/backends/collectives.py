@@ -30,10 +30,11 @@ def all_gatherv(send: torch.Tensor, sizes: Sequence[int], rank: int, global_rank
     """1-D all_gatherv: rank r contributes ``sizes[r]`` elements; returns the per-rank tensors."""
     if len(set(sizes)) == 1:
         return list(all_gather_equal(send, len(sizes), group).unbind(0))
-    outs = [send if r == rank else torch.empty(n, dtype=send.dtype, device=send.device) for r, n in enumerate(sizes)]
     if is_nccl(group):
+        outs = [torch.empty(n, dtype=send.dtype, device=send.device) for n in sizes]
         dist.all_gather(outs, send, group=group)
     else:
+        outs = [send if r == rank else torch.empty(n, dtype=send.dtype, device=send.device) for r, n in enumerate(sizes)]
         works = [dist.broadcast(outs[r], src=global_ranks[r], group=group, async_op=True) for r in range(len(sizes))]
         for w in works:
             w.wait()

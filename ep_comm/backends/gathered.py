@@ -199,7 +199,10 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
 
     # move rows as raw bytes: works for every payload dtype (fp8 has no index_copy kernel on CPU)
     tail = tuple(g.x.shape[1:])
-    x_bytes = g.x.reshape(r, -1).view(torch.uint8)
+    row_elems = 1
+    for dim in tail:
+        row_elems *= dim
+    x_bytes = g.x.reshape(r, row_elems).view(torch.uint8)
     x_b = torch.empty((dummy + 1, x_bytes.shape[1]), dtype=torch.uint8, device=g.x.device)
     s_bytes = s_b = None
     if g.x_scales is not None:

@@ -1,6 +1,7 @@
 """``init_distributed``: one call that works under torchrun, mpirun (Open MPI, MPICH), srun or alone."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Optional
@@ -52,6 +53,15 @@ def resolve_rendezvous(info: LaunchInfo, env=None) -> tuple[str, int]:
     )
 
 
+def _shutdown() -> None:
+    """Destroy the process group we created before interpreter teardown (avoids gloo/NCCL exit aborts)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
 def init_distributed(timeout_s: Optional[float] = None) -> Topology:
     """Initialise torch.distributed from the launcher's environment and return this rank's Topology.
 
@@ -87,6 +97,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> Topology:
                     f"not every one of {info.world_size} ranks arrived ({exc})"
                 ) from exc
             raise
+        atexit.register(_shutdown)
     elif use_cuda and dist.get_backend() == "nccl":
         device_index = torch.cuda.current_device()
     return gather_topology(device_index=device_index)

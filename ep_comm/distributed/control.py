@@ -155,4 +155,11 @@ class ControlPlane:
         raise EPInputError(f"invalid input on peer rank(s) {[r for r, _ in bad]} ({desc})")
 
     def close(self) -> None:
+        """Tear the gloo group down now: left to interpreter exit, its threads can abort the process."""
         self.broken = self.broken or "closed"
+        group, self.cpu_group = self.cpu_group, None
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # already gone with the default group
+                pass

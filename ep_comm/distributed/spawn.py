@@ -105,8 +105,10 @@ def spawn_local(
 
 def raise_on_failure(results: Sequence[RankResult]) -> list[Any]:
     """Return the values, or raise one RuntimeError that shows every failed rank's traceback."""
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok or r.exitcode not in (0, None)]
     if failed:
-        text = "\n".join(f"--- rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback or ''}" for r in failed)
+        text = "\n".join(
+            f"--- rank {r.rank}: {r.error_type or 'exit'}: {r.error or f'exit code {r.exitcode} after reporting success'}"
+            f"\n{r.traceback or ''}" for r in failed)
         raise RuntimeError(f"{len(failed)} of {len(results)} ranks failed:\n{text}")
     return [r.value for r in results]

@@ -1,0 +1,137 @@
+"""Rank-side bodies shared by the CPU (gloo) and GPU (NCCL) backend tests.
+
+Each function runs inside a spawned rank, builds every rank's inputs from a shared seed, runs the real
+Communicator and compares with the oracle; it returns ``{case name: [problems]}`` so the parent test
+can report every failing case at once.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+
+import ep_comm
+from ep_comm import oracle
+
+HIDDEN = 256
+EXPERTS_PER_RANK = 3
+
+
+def make_cfg(world: int, backend: str, layout: str, quant: Optional[str], max_tokens: int = 16, **kw) -> ep_comm.EPConfig:
+    return ep_comm.EPConfig(
+        num_experts=EXPERTS_PER_RANK * world, top_k=4, hidden=HIDDEN, max_tokens_per_rank=max_tokens,
+        dtype=torch.bfloat16, layout=layout, backend=backend, quant=quant, timeout_s=kw.pop("timeout_s", 60.0), **kw,
+    )
+
+
+def scenarios(world: int, max_tokens: int) -> dict[str, dict]:
+    uneven = [max_tokens, 0, 3, 7, 1, 11, 0, 2][:world]
+    return {
+        "uneven_and_zero_T": dict(tokens=uneven),
+        "T_equals_max_skewed": dict(tokens=[max_tokens] * world, routing="skewed"),
+        "minus_one_and_duplicates": dict(tokens=[5] + [max_tokens] * (world - 1), p_minus_one=0.25, p_duplicate=0.3),
+        "all_ranks_zero_T": dict(tokens=[0] * world),
+    }
+
+
+PAYLOADS = {  # name -> (quant, payload kind, scales width)
+    "bf16+scales": (None, "dtype", 3),
+    "fp8": ("fp8", "dtype", 0),
+    "uint8_opaque": (None, "uint8", 0),
+}
+
+
+def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict) -> list[str]:
+    quant, kind, swidth = PAYLOADS[payload]
+    inputs = oracle.random_inputs(cfg, world, seed, payload=kind, scales_width=swidth, **spec)
+    mine = inputs[rank].to(comm.device)
+    d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+    problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
+    expert_out = oracle.run_experts(cfg, rank, world, d)  # padding rows/slots are NaN
+    y = comm.combine(expert_out, d)
+    if y.dtype != cfg.dtype:
+        problems.append(f"combine dtype {y.dtype}")
+    problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+    return problems
+
+
+def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"), repeats: int = 1) -> dict:
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    seed = 1000
+    for backend, layout, payload in itertools.product(backends, layouts, PAYLOADS):
+        quant = PAYLOADS[payload][0]
+        cfg = make_cfg(world, backend, layout, quant)
+        with ep_comm.Communicator(cfg) as comm:
+            if comm.backend != backend:
+                results[f"{backend}/{layout}/{payload}"] = [f"resolved backend {comm.backend}"]
+                continue
+            # several calls back to back on one communicator: buffers reused without a barrier
+            for _ in range(repeats):
+                for name, spec in scenarios(world, cfg.max_tokens_per_rank).items():
+                    seed += 1
+                    key = f"{backend}/{layout}/{payload}/{name}"
+                    results[key] = results.get(key, []) + run_case(comm, cfg, world, rank, seed, payload, spec)
+    return results
+
+
+# -- CUDA graphs -------------------------------------------------------------------------------------
+def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
+    """``oracle.test_expert`` vectorised without host syncs, so it can sit inside a CUDA graph."""
+    L = cfg.num_experts // world
+    xf = oracle.payload_as_float(cfg, d.x, d.x_scales)
+    if d.layout == "batched":
+        e = torch.arange(rank * L, (rank + 1) * L, device=xf.device, dtype=torch.float32).view(L, 1, 1)
+        return (torch.tanh(xf) * (1.0 + 0.25 * torch.remainder(e, 5)) + 0.01 * e).to(cfg.dtype)
+    valid = d.topk_ids >= 0
+    g = (d.topk_ids + rank * L).float()
+    w = torch.where(valid, d.topk_weights, 0.0)
+    scale = (w * (1.0 + 0.25 * torch.remainder(g, 5))).sum(1, keepdim=True)
+    shift = (w * 0.01 * g).sum(1, keepdim=True)
+    return (torch.tanh(xf) * scale + shift).to(cfg.dtype)
+
+
+def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3) -> dict:
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    for backend, layout, quant in itertools.product(backends, layouts, (None, "fp8")):
+        cfg = make_cfg(world, backend, layout, quant)
+        key = f"{backend}/{layout}/{quant or 'bf16'}"
+        problems: list[str] = []
+        tokens = [cfg.max_tokens_per_rank - r for r in range(world)]  # fixed T per rank, differing
+        with ep_comm.Communicator(cfg) as comm:
+            first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
+            x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
+            # eager warm-up initialises NCCL communicators outside the capture
+            d = comm.dispatch(x_s, ids_s, w_s)
+            comm.combine(graph_experts(cfg, rank, world, d), d)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                d_s = comm.dispatch(x_s, ids_s, w_s)
+                y_s = comm.combine(graph_experts(cfg, rank, world, d_s), d_s)
+            for rep in range(replays):
+                inputs = oracle.random_inputs(cfg, world, 100 + rep, tokens=tokens, p_minus_one=0.1, p_duplicate=0.2)
+                mine = inputs[rank].to(comm.device)
+                x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
+                graph.replay()
+                torch.cuda.synchronize()
+                problems += [f"replay {rep} dispatch: {p}" for p in
+                             oracle.compare_dispatch(cfg, d_s, oracle.expected_dispatch(cfg, inputs)[rank])]
+                problems += [f"replay {rep} combine: {p}" for p in
+                             oracle.compare_combine(cfg, y_s, oracle.expected_combine(cfg, inputs)[rank])]
+            comm.check_errors()  # nothing was flagged on clean replays
+            # an out-of-range id inside a replay is counted and reported, not an illegal access
+            ids_s[0, 0] = cfg.num_experts + 5
+            graph.replay()
+            try:
+                comm.check_errors()
+                problems.append("check_errors did not report an out-of-range id seen during replay")
+            except ep_comm.EPInputError as exc:
+                if "treated as -1" not in str(exc):
+                    problems.append(f"unexpected check_errors message: {exc}")
+        results[key] = problems
+    return results

@@ -1,0 +1,33 @@
+"""naive and ag_rs on gloo (CPU) with 2 and 4 spawned ranks, against the oracle."""
+import pytest
+
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local
+
+from . import cases
+
+WORLDS = (2, 4)
+_cache: dict = {}
+
+
+def matrix(world: int) -> dict:
+    if world not in _cache:
+        per_rank = raise_on_failure(spawn_local(cases.backend_matrix, world, timeout_s=600,
+                                                extra_env=lambda r: {"CUDA_VISIBLE_DEVICES": ""}))
+        merged: dict = {}
+        for rank, res in enumerate(per_rank):
+            for key, problems in res.items():
+                merged.setdefault(key, []).extend(f"rank {rank}: {p}" for p in problems)
+        _cache[world] = merged
+    return _cache[world]
+
+
+ALL_CASES = [f"{b}/{l}/{p}/{s}" for b in ("naive", "ag_rs") for l in ("standard", "batched")
+             for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_matches_oracle(world, case):
+    results = matrix(world)
+    assert case in results, f"case {case} did not run (ran: {sorted(results)[:4]}...)"
+    assert results[case] == [], "\n".join(results[case])

@@ -1,0 +1,227 @@
+"""Communicator-level behaviour on gloo: typed errors on every rank, no hangs, timeouts, epochs."""
+import time
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import oracle
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _cfg(world, **kw):
+    base = dict(num_experts=4 * world, top_k=3, hidden=128, max_tokens_per_rank=8, dtype=torch.bfloat16,
+                layout="standard", backend="naive", timeout_s=30.0)
+    base.update(kw)
+    return ep_comm.EPConfig(**base)
+
+
+def _good(cfg, world, rank, seed=5):
+    return oracle.random_inputs(cfg, world, seed)[rank]
+
+
+# Each entry: name -> function(cfg, good RankInput) returning dispatch kwargs with one bad argument.
+BAD_DISPATCH = {
+    "x wrong hidden": lambda c, g: dict(x=torch.randn(4, c.hidden + 1).to(c.dtype), topk_ids=g.topk_ids[:4], topk_weights=g.topk_weights[:4]),
+    "x 3-D": lambda c, g: dict(x=g.x.unsqueeze(0), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
+    "x fp32 vs bf16 config": lambda c, g: dict(x=g.x.float(), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
+    "x on meta device": lambda c, g: dict(x=g.x.to("meta"), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
+    "T above max": lambda c, g: dict(x=torch.randn(c.max_tokens_per_rank + 1, c.hidden).to(c.dtype),
+                                     topk_ids=torch.zeros(c.max_tokens_per_rank + 1, c.top_k, dtype=torch.int32),
+                                     topk_weights=torch.ones(c.max_tokens_per_rank + 1, c.top_k)),
+    "ids float dtype": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids.float(), topk_weights=g.topk_weights),
+    "ids wrong k": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids[:, :2], topk_weights=g.topk_weights),
+    "weights fp16": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights.half()),
+    "weights wrong T": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights[:-1]),
+    "id too large": lambda c, g: dict(x=g.x, topk_ids=torch.where(torch.arange(g.topk_ids.numel()).view_as(g.topk_ids) == 4,
+                                                                   c.num_experts, g.topk_ids).int(), topk_weights=g.topk_weights),
+    "id below -1": lambda c, g: dict(x=g.x, topk_ids=torch.full_like(g.topk_ids, -3), topk_weights=g.topk_weights),
+    "x_scales wrong T": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights, x_scales=torch.ones(2, 3)),
+    "opaque payload too wide": lambda c, g: dict(x=torch.zeros(g.x.shape[0], c.hidden * 2 + 1, dtype=torch.uint8),
+                                                 topk_ids=g.topk_ids, topk_weights=g.topk_weights),
+    "x not a tensor": lambda c, g: dict(x=[[1.0]], topk_ids=g.topk_ids, topk_weights=g.topk_weights),
+}
+
+
+def bad_dispatch_worker(backend: str):
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    cfg = _cfg(world, backend=backend)
+    out = {}
+    with ep_comm.Communicator(cfg) as comm:
+        for name, make in BAD_DISPATCH.items():
+            good = _good(cfg, world, rank)
+            args = make(cfg, good) if rank == 0 else dict(x=good.x, topk_ids=good.topk_ids, topk_weights=good.topk_weights)
+            t0 = time.monotonic()
+            try:
+                comm.dispatch(**args)
+                out[name] = ("no error", "", 0.0)
+            except Exception as exc:  # noqa: BLE001 - we report the type
+                out[name] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+        # the communicator is still usable after every rejected call
+        good = _good(cfg, world, rank, seed=9)
+        d = comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+        y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        out["recovered"] = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, oracle.random_inputs(cfg, world, 9))[rank])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_bad_dispatch_input_raises_typed_error_on_every_rank(backend):
+    results = raise_on_failure(spawn_local(bad_dispatch_worker, 2, (backend,), timeout_s=180, extra_env=lambda r: CPU_ONLY))
+    for rank, res in enumerate(results):
+        assert res.pop("recovered") == []
+        for name, (etype, msg, secs) in res.items():
+            assert etype == "EPInputError", f"rank {rank}, {name}: got {etype}: {msg}"
+            assert secs < 10, f"rank {rank}, {name}: took {secs:.1f}s"
+            if rank == 1:
+                assert "rank(s) [0]" in msg, msg
+    r0 = results[0]
+    assert "topk_ids[1, 1] = 8 on rank 0" in r0["id too large"][1]
+    assert "-3" in r0["id below -1"][1]
+    assert "max_tokens_per_rank=8" in r0["T above max"][1]
+    assert "meta" in r0["x on meta device"][1]
+
+
+def bad_combine_worker():
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    out = {}
+    for layout in ("standard", "batched"):
+        cfg = _cfg(world, layout=layout)
+        with ep_comm.Communicator(cfg) as comm:
+            good = _good(cfg, world, rank)
+            d = comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+            eo = oracle.run_experts(cfg, rank, world, d)
+            bad = {
+                "wrong shape": dict(expert_out=eo[..., :-1], dispatched=d),
+                "int dtype": dict(expert_out=eo.to(torch.int32), dispatched=d),
+                "not a Dispatched": dict(expert_out=eo, dispatched=object()),
+                "out wrong dtype": dict(expert_out=eo, dispatched=d, out=torch.empty(d.num_tokens, cfg.hidden)),
+            }
+            for name, kw in bad.items():
+                if rank != 0:
+                    kw = dict(expert_out=eo, dispatched=d)
+                try:
+                    comm.combine(**kw)
+                    out[f"{layout}/{name}"] = "no error"
+                except Exception as exc:  # noqa: BLE001
+                    out[f"{layout}/{name}"] = type(exc).__name__
+            y = comm.combine(eo, d)
+            out[f"{layout}/recovered"] = y.shape == (d.num_tokens, cfg.hidden)
+    return out
+
+
+def test_bad_combine_input_raises_on_every_rank():
+    for rank, res in enumerate(raise_on_failure(spawn_local(bad_combine_worker, 2, timeout_s=120, extra_env=lambda r: CPU_ONLY))):
+        for name, value in res.items():
+            if name.endswith("recovered"):
+                assert value is True
+            else:
+                assert value == "EPInputError", f"rank {rank} {name}: {value}"
+
+
+def indivisible_worker():
+    ep_comm.init_distributed()
+    try:
+        ep_comm.Communicator(ep_comm.EPConfig(num_experts=6, top_k=2, hidden=128, max_tokens_per_rank=4, backend="naive"))
+    except ep_comm.EPConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_num_experts_not_divisible_by_world():
+    for msg in raise_on_failure(spawn_local(indivisible_worker, 4, timeout_s=60, extra_env=lambda r: CPU_ONLY)):
+        assert "num_experts" in msg and "world size 4" in msg
+
+
+def missing_peer_worker(absent_rank: int):
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    cfg = _cfg(world, timeout_s=3.0)
+    comm = ep_comm.Communicator(cfg)
+    if rank == absent_rank:
+        time.sleep(8.0)  # never calls dispatch
+        return ("absent", None, 0.0)
+    good = _good(cfg, world, rank)
+    t0 = time.monotonic()
+    try:
+        comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+        return ("no error", None, time.monotonic() - t0)
+    except ep_comm.EPTimeoutError as exc:
+        return (str(exc), list(exc.missing_ranks), time.monotonic() - t0)
+
+
+def test_missing_peer_times_out_naming_it_on_every_waiting_rank():
+    results = raise_on_failure(spawn_local(missing_peer_worker, 3, (2,), timeout_s=120, extra_env=lambda r: CPU_ONLY))
+    for rank in (0, 1):
+        msg, missing, secs = results[rank]
+        assert missing == [2], f"rank {rank}: {msg}"
+        assert "rank 2" in msg and "never arrived" in msg
+        assert 2.5 < secs < 15, secs
+    assert results[2][0] == "absent"
+
+
+def epoch_mismatch_worker():
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    cfg = _cfg(world)
+    comm = ep_comm.Communicator(cfg)
+    good = _good(cfg, world, rank)
+    d = comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+    try:
+        if rank == 0:
+            comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        else:  # out of step: a second dispatch where rank 0 combines
+            comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+        return "no error"
+    except ep_comm.EPTimeoutError as exc:
+        return f"timeout: {exc}"
+    except ep_comm.EPError as exc:
+        return str(exc)
+
+
+def test_peer_on_another_call_is_detected_not_mixed():
+    for rank, msg in enumerate(raise_on_failure(spawn_local(epoch_mismatch_worker, 2, timeout_s=60, extra_env=lambda r: CPU_ONLY))):
+        assert "epoch" in msg and "same order" in msg, f"rank {rank}: {msg}"
+        other = 1 - rank
+        assert f"rank {other} is in" in msg
+
+
+def close_worker():
+    topo = ep_comm.init_distributed()
+    cfg = _cfg(topo.world_size)
+    comm = ep_comm.Communicator(cfg)
+    comm.close()
+    comm.close()  # idempotent
+    good = _good(cfg, topo.world_size, topo.rank)
+    try:
+        comm.dispatch(good.x, good.topk_ids, good.topk_weights)
+    except ep_comm.EPError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_closed_communicator_refuses_calls():
+    for msg in raise_on_failure(spawn_local(close_worker, 2, timeout_s=60, extra_env=lambda r: CPU_ONLY)):
+        assert "closed" in msg
+
+
+def attributes_worker():
+    topo = ep_comm.init_distributed()
+    cfg = _cfg(topo.world_size, backend="auto")
+    with ep_comm.Communicator(cfg) as comm:
+        return dict(rank=comm.rank, world=comm.world_size, L=comm.num_local_experts, backend=comm.backend,
+                    capacity=comm.capacity)
+
+
+def test_attributes_and_auto_backend(monkeypatch):
+    res = raise_on_failure(spawn_local(attributes_worker, 2, timeout_s=60, extra_env=lambda r: CPU_ONLY))
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r == dict(rank=r["rank"], world=2, L=4, backend="ag_rs", capacity=16)
+    res = raise_on_failure(spawn_local(attributes_worker, 2, timeout_s=60,
+                                       extra_env=lambda r: {**CPU_ONLY, "EP_COMM_BACKEND": "naive"}))
+    assert {r["backend"] for r in res} == {"naive"}
