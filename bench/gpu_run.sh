@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call: install, all GPU tests, benchmark; logs under $OUT, short summary last.
+# Usage (device machine, repo root): bash bench/gpu_run.sh [quick]
+set -uo pipefail
+OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl
+export NVSHMEM_REMOTE_TRANSPORT=none
+summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } > "$OUT/env.txt" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" >> "$OUT/env.txt" 2>&1
+summary "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
+
+pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1; summary "install rc=$?"
+
+timeout 420 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1
+summary "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20 | tee -a "$OUT/summary.txt"
+
+if [ "${1:-}" != "quick" ]; then
+  D=$(date +%F)
+  timeout 300 ep-comm bench --nproc 2 --tokens 128 4096 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  summary "bench rc=$?"
+  tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+cat "$OUT/summary.txt"
