@@ -19,9 +19,13 @@ summary "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20 | tee -a "$OUT/summary.txt"
 
 if [ "${1:-}" != "quick" ]; then
-  D=$(date +%F)
-  timeout 300 ep-comm bench --nproc 2 --tokens 128 4096 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  summary "bench rc=$?"
-  tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+  timeout 240 ep-comm stress --nproc 2 --iters ${STRESS_ITERS:-100} > "$OUT/stress.log" 2>&1
+  summary "stress rc=$?: $(grep -iE 'pass|fail' "$OUT/stress.log" | tail -3 | tr '\n' ' ')"
+  timeout 240 ep-comm info --nproc 2 > "$OUT/info.log" 2>&1; summary "info rc=$?"
+  for mode in eager graph; do
+    timeout 300 ep-comm bench --nproc 2 --mode $mode --tokens 128 4096 --json "$OUT/bench-$mode.json" > "$OUT/bench-$mode.log" 2>&1
+    summary "bench $mode rc=$?"
+    grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto)" "$OUT/bench-$mode.log" | tee -a "$OUT/summary.txt"
+  done
 fi
 cat "$OUT/summary.txt"

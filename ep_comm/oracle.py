@@ -64,12 +64,12 @@ def random_inputs(
         else:
             x = torch.randn(t, cfg.hidden, generator=g).to(cfg.dtype)
         ids = torch.argsort(torch.rand(t, cfg.num_experts, generator=g), dim=1)[:, : cfg.top_k]
+        if routing not in ("uniform", "skewed"):
+            raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
         if routing == "skewed" and t:
             swap = ids == hot
             ids[swap] = ids[:, :1].expand_as(ids)[swap]  # keep rows distinct after forcing slot 0
             ids[:, 0] = hot
-        elif routing != "uniform":
-            raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
         if p_duplicate and cfg.top_k > 1:
             dup = torch.rand(t, cfg.top_k, generator=g) < p_duplicate
             dup[:, 0] = False

@@ -251,7 +251,8 @@ def add_combine_headers(ctx: BackendContext, partial: torch.Tensor, rows: Sequen
         chunks.append(partial[start: start + n])
         if with_header:
             hdr = torch.zeros(1, hidden, dtype=torch.float32, device=partial.device)
-            hdr[0, ctx.rank] = float(epoch_code(op, epoch))
+            # fill_ on a view: item assignment would copy from a host scalar, illegal while capturing
+            hdr[:, ctx.rank].fill_(float(epoch_code(op, epoch)))
             chunks.append(hdr)
         start += n
     return torch.cat(chunks), [n + extra for n in rows]

@@ -1,0 +1,259 @@
+"""``ep-comm info``: what this job looks like to ep_comm.
+
+Prints the ranks and hosts (the ``Topology`` every communicator sees), the CUDA devices of each host
+with their peer-access (NVLink/PCIe P2P) matrix and ``nvidia-smi topo -m``, the IMEX channel state
+(needed for cross-tray MNNVL), which backends are usable on *every* rank and, for each that is not,
+why (one line), what ``backend="auto"`` would pick, and the memory layer's report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any, Optional
+
+import torch
+
+from .. import __version__
+from ..config import BACKEND_ENV, EPConfig
+from . import format_table
+from .launcher import RankEnv, agree_exit_code, gather_objects, setup_rank, teardown
+
+IMEX_DIR = "/dev/nvidia-caps-imex-channels"
+#: variables that change what ep_comm or its transports do; shown so a report is reproducible
+ENV_VARS = (
+    BACKEND_ENV, "EP_COMM_HOST_ID", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_REMOTE_TRANSPORT", "NCCL_P2P_DISABLE", "NCCL_DEBUG",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experts", type=int, default=256,
+                   help="num_experts of the config the availability probes see (default: 256)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def check_arguments(args: argparse.Namespace) -> Optional[str]:
+    if args.experts < 1:
+        return "--experts must be >= 1"
+    return None
+
+
+def worker(args: argparse.Namespace) -> int:
+    env = setup_rank(args.op_timeout)
+    try:
+        return agree_exit_code(env, _info(env, args))
+    finally:
+        teardown()
+
+
+# -- facts gathered on every rank ---------------------------------------------------------------------------
+def _rank_facts(env: RankEnv) -> dict:
+    device = str(env.device)
+    if env.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(env.device)})"
+    return {"rank": env.rank, "host": env.topology.host_id, "local_rank": env.topology.local_rank,
+            "device": device, "pid": os.getpid()}
+
+
+def _host_facts() -> dict:
+    """Per-host facts; collected on the first rank of each host only (they are the same for its peers)."""
+    facts: dict[str, Any] = {"devices": [], "p2p": [], "nvidia_smi_topo": None, "imex": _imex_state()}
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        facts["devices"].append({
+            "index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+            "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+        })
+    facts["p2p"] = [[None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
+                    for i in range(n)]
+    facts["nvidia_smi_topo"] = _nvidia_smi_topo()
+    return facts
+
+
+def _nvidia_smi_topo() -> str:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "nvidia-smi: not found on PATH"
+    try:
+        res = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi topo -m failed: {exc}"
+    return (res.stdout or res.stderr).rstrip() or f"nvidia-smi topo -m: exit code {res.returncode}, no output"
+
+
+def _imex_state() -> str:
+    if not os.path.isdir(IMEX_DIR):
+        return (f"{IMEX_DIR} absent: no IMEX channel, so FABRIC handles (cross-tray MNNVL on GB200 NVL72) "
+                "cannot be created here; same-host P2P is unaffected")
+    channels = sorted(os.listdir(IMEX_DIR))
+    if not channels:
+        return f"{IMEX_DIR} exists but holds no channel"
+    usable = [c for c in channels if os.access(os.path.join(IMEX_DIR, c), os.R_OK | os.W_OK)]
+    return f"{IMEX_DIR}: {', '.join(channels)} ({len(usable)} read/writable by this user)"
+
+
+def _memory_report(env: RankEnv) -> str:
+    """The memory layer's report.  Collective (it all-gathers every rank's probe): call on every rank."""
+    try:
+        from ..memory.info import memory_report
+    except (ImportError, AttributeError) as exc:
+        return f"memory layer: not available ({exc})"
+    try:
+        return str(memory_report(device_index=env.device.index if env.device.type == "cuda" else None)).rstrip()
+    except Exception as exc:  # noqa: BLE001 - info must still print everything else
+        return f"memory layer: report failed ({type(exc).__name__}: {exc})"
+
+
+def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, str]:
+    """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``; collective (control plane)."""
+    from ..backends import NOT_BUILT, BackendContext, registered
+    from ..backends.base import NUM_FLAGS
+    from ..distributed.control import ControlPlane
+    from ..distributed.topology import gather_topology
+
+    world = env.world_size
+    experts = experts if experts % world == 0 else world * max(1, experts // world)
+    cfg = EPConfig(num_experts=experts, top_k=min(8, experts), hidden=7168, max_tokens_per_rank=128,
+                   timeout_s=timeout_s)
+    control = ControlPlane(None, timeout_s)
+    try:
+        topo = gather_topology(control.cpu_group, env.device.index if env.device.type == "cuda" else None)
+        ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
+                             device=env.device, error_flags=torch.zeros(NUM_FLAGS, dtype=torch.int64, device=env.device))
+        out: dict[str, str] = {}
+        for name, cls in registered().items():
+            try:
+                a = cls.availability(ctx)
+                out[name] = "" if a.ok else (a.reason or "unavailable (no reason given)")
+            except Exception as exc:  # noqa: BLE001 - a crashing probe is a reason, not a crash of `info`
+                out[name] = f"availability probe raised {type(exc).__name__}: {exc}"
+        for name, why in NOT_BUILT.items():
+            out[name] = why
+        return out
+    finally:
+        control.close()
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+def _info(env: RankEnv, args: argparse.Namespace) -> int:
+    facts = _rank_facts(env)
+    host = _host_facts() if env.topology.local_rank == 0 else None
+    reasons = _backend_reasons(env, args.experts, args.op_timeout)
+    memory = _memory_report(env)
+    everyone = gather_objects(env, {"facts": facts, "host": host, "backends": reasons})
+    if not env.is_root:
+        return 0
+    report = _build_report(env, everyone)
+    report["memory_report"] = memory  # rank 0's copy already covers every rank
+    print(_render(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {args.json}", flush=True)
+    return 0
+
+
+def _build_report(env: RankEnv, everyone: list[dict]) -> dict:
+    import torch.distributed as dist
+
+    from ..backends import AUTO_ORDER
+
+    names = list(everyone[0]["backends"])
+    backends = {}
+    for name in names:
+        per_rank = {r: e["backends"].get(name, "unknown on this rank") for r, e in enumerate(everyone)}
+        bad = {r: why for r, why in per_rank.items() if why}
+        if not bad:
+            backends[name] = {"usable": True, "reason": ""}
+        elif len(set(bad.values())) == 1 and len(bad) == len(per_rank):
+            backends[name] = {"usable": False, "reason": next(iter(bad.values()))}
+        else:
+            backends[name] = {"usable": False, "reason": "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))}
+    auto = next((n for n in AUTO_ORDER if backends.get(n, {}).get("usable")), None)
+    override = os.environ.get(BACKEND_ENV, "").strip() or None
+    hosts = {}
+    for e in everyone:
+        if e["host"] is not None:
+            hosts[e["facts"]["host"]] = e["host"]
+    return {
+        "versions": {
+            "ep_comm": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda, "nccl": _nccl_version(), "platform": platform.platform(),
+            "mpi4py": _module_version("mpi4py"), "cuda_bindings": _module_version("cuda.bindings"),
+        },
+        "launcher": env.launcher, "world_size": env.world_size, "process_group": dist.get_backend(),
+        "ranks": [e["facts"] for e in everyone],
+        "ranks_by_host": {h: list(rs) for h, rs in env.topology.ranks_by_host.items()},
+        "hosts": hosts, "backends": backends,
+        "auto": {"env_override": override, "would_pick": override or auto, "order": list(AUTO_ORDER)},
+        "env": {v: os.environ.get(v) for v in ENV_VARS},
+    }
+
+
+def _nccl_version() -> Optional[str]:
+    try:
+        if torch.cuda.is_available():
+            v = torch.cuda.nccl.version()
+            return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _module_version(name: str) -> Optional[str]:
+    try:
+        mod = __import__(name, fromlist=["_"])
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def _render(rep: dict) -> str:
+    v = rep["versions"]
+    lines = [
+        f"ep_comm {v['ep_comm']} | torch {v['torch']} | Python {v['python']} | CUDA {v['cuda'] or '-'} | "
+        f"NCCL {v['nccl'] or '-'} | mpi4py {v['mpi4py'] or '-'} | cuda-bindings {v['cuda_bindings'] or '-'}",
+        f"launcher: {rep['launcher']}, world size {rep['world_size']}, process group {rep['process_group']}",
+        "", "== ranks ==",
+        format_table(["rank", "host", "local_rank", "device", "pid"],
+                     [[r["rank"], r["host"], r["local_rank"], r["device"], r["pid"]] for r in rep["ranks"]],
+                     right=(0, 2, 4)),
+    ]
+    for host, facts in rep["hosts"].items():
+        lines += ["", f"== host {host}: ranks {rep['ranks_by_host'].get(host)} =="]
+        if facts["devices"]:
+            lines.append(format_table(["gpu", "name", "memory_GiB", "cc", "SMs"],
+                                      [[d["index"], d["name"], d["memory_gib"], d["capability"], d["sms"]]
+                                       for d in facts["devices"]], right=(0, 2, 4)))
+            n = len(facts["p2p"])
+            lines.append("peer access (torch.cuda.can_device_access_peer; row = from, column = to):")
+            lines.append(format_table([""] + [f"gpu{j}" for j in range(n)],
+                                      [[f"gpu{i}"] + ["X" if c is None else ("yes" if c else "no") for c in row]
+                                       for i, row in enumerate(facts["p2p"])]))
+        else:
+            lines.append("CUDA devices: none visible (CPU ranks use gloo)")
+        lines += ["nvidia-smi topo -m:", _indent(facts["nvidia_smi_topo"]), f"IMEX: {facts['imex']}"]
+    lines += ["", "== backends (usable on every rank?) =="]
+    width = max(len(n) for n in rep["backends"]) if rep["backends"] else 0
+    for name, b in rep["backends"].items():
+        lines.append(f"{name.ljust(width)}  " + ("usable" if b["usable"] else f"not usable: {b['reason']}"))
+    auto = rep["auto"]
+    if auto["env_override"]:
+        lines.append(f"auto -> {auto['env_override']} (forced by ${BACKEND_ENV})")
+    else:
+        lines.append(f"auto -> {auto['would_pick'] or 'nothing usable'} (first usable of {', '.join(auto['order'])})")
+    lines += ["", "== memory layer ==", rep.get("memory_report", "-")]
+    lines += ["", "== environment =="]
+    for var, val in rep["env"].items():
+        lines.append(f"{var}={'(unset)' if val is None else val}")
+    return "\n".join(lines)
+
+
+def _indent(text: str, pad: str = "  ") -> str:
+    return "\n".join(pad + line for line in str(text).splitlines())

@@ -1,0 +1,211 @@
+"""Start the ranks of a CLI subcommand: in-process under a launcher, or self-spawned with ``--nproc``.
+
+Every subcommand is written as a *rank worker* ``worker(args) -> int`` (the exit code) that runs on
+every rank.  ``run_ranks`` decides how those ranks come to exist:
+
+* started by torchrun / mpirun / srun with a world size > 1 (``read_launch_env``): this process *is*
+  one rank, so the worker runs here and its return value becomes the process's exit code;
+* otherwise: ``--nproc N`` local ranks are spawned with ``spawn_local`` (torchrun-style environment),
+  the parent waits, reports ranks that raised, and exits non-zero if any rank failed.
+
+Workers print only on rank 0, so output appears once however the job was started.  They also agree on
+their exit code (``agree_exit_code``) so that under an external launcher every rank exits with the
+same status, and the launcher's "first failing rank" message is never the only sign of a failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..distributed.launch_env import LaunchInfo, read_launch_env
+
+#: set in spawned children so the worker knows it shares this host's CPU cores with its siblings
+_SPAWNED_ENV = "EP_COMM_CLI_SPAWNED_NPROC"
+
+Worker = Callable[[Any], int]
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices (0 without CUDA), without ever raising."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver must not break `ep-comm info`
+        return 0
+
+
+def default_nproc() -> int:
+    """One rank per visible GPU; 2 CPU ranks without CUDA (the smallest real exchange)."""
+    return cuda_device_count() or 2
+
+
+def external_launch() -> Optional[LaunchInfo]:
+    """The launcher's info when this process is one rank of a multi-rank job, else None."""
+    info = read_launch_env()
+    if info.launcher != "none" and info.world_size > 1:
+        return info
+    return None
+
+
+def check_nproc(nproc: int) -> Optional[str]:
+    """Why ``nproc`` local ranks cannot run here (None when they can)."""
+    if nproc < 1:
+        return f"--nproc must be >= 1, got {nproc}"
+    ngpu = cuda_device_count()
+    if ngpu and nproc > ngpu:
+        # NCCL refuses two ranks on one GPU; say so before spawning instead of failing in every child
+        return (f"--nproc {nproc} exceeds the {ngpu} visible CUDA device(s); NCCL needs one GPU per rank "
+                "(set CUDA_VISIBLE_DEVICES= to run CPU ranks over gloo instead)")
+    return None
+
+
+def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float) -> int:
+    """Run ``worker(args)`` on every rank and return the exit code for this process."""
+    info = external_launch()
+    if info is not None:
+        if nproc is not None and nproc != info.world_size and info.rank == 0:
+            print(f"note: started by {info.launcher} with {info.world_size} ranks; --nproc {nproc} ignored",
+                  file=sys.stderr, flush=True)
+        return _run_here(worker, args)
+    nproc = default_nproc() if nproc is None else nproc
+    problem = check_nproc(nproc)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    if nproc == 1:
+        return _run_here(worker, args)
+
+    from ..distributed.spawn import spawn_local
+
+    results = spawn_local(_spawned_entry, nproc, (worker, args), timeout_s=timeout_s,
+                          extra_env=lambda rank: {_SPAWNED_ENV: str(nproc)})
+    code = 0
+    for res in results:
+        if res.ok:
+            code = max(code, int(res.value or 0))
+            continue
+        code = max(code, 1)
+        print(f"--- rank {res.rank} failed: {res.error_type}: {res.error}", file=sys.stderr)
+        if res.traceback:
+            print(res.traceback.rstrip(), file=sys.stderr)
+    sys.stderr.flush()
+    return code
+
+
+def _spawned_entry(worker: Worker, args: Any) -> int:
+    """What each spawned child runs (module level so the spawn context can pickle it)."""
+    _exit_with_parent()
+    return worker(args)
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this rank when the spawning ``ep-comm`` process goes away.
+
+    A parent killed by ``timeout``/SIGTERM/SIGKILL cannot clean up its children, and orphaned ranks
+    would keep holding GPUs (and block peers in collectives) on a shared machine.  Re-parenting is
+    how we notice: ``getppid`` changes once the parent is gone.
+    """
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(143)  # no cleanup on purpose: peers are gone too, collectives would hang
+
+    threading.Thread(target=watch, name="ep-comm-parent-watch", daemon=True).start()
+
+
+def _run_here(worker: Worker, args: Any) -> int:
+    try:
+        return int(worker(args) or 0)
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+# -- helpers for the rank workers ------------------------------------------------------------------------
+@dataclasses.dataclass
+class RankEnv:
+    """What a rank worker needs after ``setup_rank``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    cpu_group: Any  # gloo group for host-side gathers/barriers (None = the default group is gloo)
+    topology: Any
+    launcher: str  # "spawn" or the external launcher's name
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def setup_rank(timeout_s: float = 300.0) -> RankEnv:
+    """``ep_comm.init_distributed`` plus a gloo group for host-side control of the CLI itself."""
+    import torch.distributed as dist
+
+    from ..distributed import init_distributed
+
+    spawned = os.environ.get(_SPAWNED_ENV)
+    if spawned and not torch.cuda.is_available():
+        # N CPU ranks on one host: without this each rank starts one thread per core and they thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(spawned))))
+    # read before init_distributed, which exports RANK/WORLD_SIZE (torchrun's names) for any launcher
+    launcher = "spawn" if spawned else read_launch_env().launcher
+    topo = init_distributed(timeout_s)
+    if dist.get_backend() == "gloo":
+        cpu_group = None
+        device = torch.device("cpu")
+    else:
+        cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        device = torch.device("cuda", torch.cuda.current_device())
+    return RankEnv(dist.get_rank(), dist.get_world_size(), device, cpu_group, topo, launcher)
+
+
+def gather_objects(env: RankEnv, obj: Any) -> list:
+    """All-gather a picklable object over the CLI's gloo group."""
+    import torch.distributed as dist
+
+    out: list = [None] * env.world_size
+    dist.all_gather_object(out, obj, group=env.cpu_group)
+    return out
+
+
+def host_barrier(env: RankEnv) -> None:
+    """Line the ranks up on the host (after the device is idle) so timings start together."""
+    import torch.distributed as dist
+
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(group=env.cpu_group)
+
+
+def agree_exit_code(env: RankEnv, code: int) -> int:
+    """Every rank returns the worst exit code of any rank."""
+    return max(int(c) for c in gather_objects(env, int(code)))
+
+
+def teardown() -> None:
+    """Destroy the process groups (quiet exit under NCCL; harmless on gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # teardown problems must not turn a passing run into a failure
+            pass
+
+
+def say(env: RankEnv, *parts: Any, file=None) -> None:
+    """Print on rank 0 only (flushed, so spawned ranks' output is not lost or reordered)."""
+    if env.is_root:
+        print(*parts, file=file or sys.stdout, flush=True)

@@ -1,0 +1,335 @@
+"""``ep-comm stress``: many random dispatch/combine rounds, every one checked against the oracle.
+
+Each iteration draws, from ``(--seed, iteration)`` alone (so any iteration can be replayed with
+``--start K --iters 1``): tokens per rank in ``[0, --max-tokens]`` (zero-token ranks included),
+uniform or skewed routing, -1 and duplicate expert ids, fp8 quantisation or an opaque uint8 payload
+some of the time, and optional per-token scales.  The same inputs then go through every selected
+backend × layout; dispatch and combine are both compared with ``ep_comm.oracle``.
+
+One communicator per backend × layout × quant is created up front and reused for every iteration,
+which is also what catches state leaking from one call into the next (epochs, reused buffers).
+On a mismatch the failing case (seed, iteration, rank, backend, layout, tokens per rank, the oracle's
+problem strings) is printed with a command that replays it, and the exit code is 1.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from .. import oracle
+from ..communicator import Communicator
+from ..config import FP8_BLOCK, EPConfig
+from ..errors import EPConfigError, EPTopologyError
+from . import DTYPES, default_backends, format_table, resolve_backend_request
+from .launcher import RankEnv, agree_exit_code, gather_objects, say, setup_rank, teardown
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iters", type=int, default=200, help="iterations (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; iteration i draws from (seed, i)")
+    p.add_argument("--start", type=int, default=0, help="first iteration number (replay one with --iters 1)")
+    p.add_argument("--backend", nargs="+", default=None, metavar="NAME",
+                   help="backend(s), comma or space separated, 'auto', or 'all' (every usable built backend; the "
+                        "default, or 'auto' when $EP_COMM_BACKEND is set)")
+    p.add_argument("--layout", choices=("standard", "batched", "both"), default="both", help="(default: both)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256; fp8 needs a multiple of 128)")
+    p.add_argument("--experts", type=int, default=16, help="global experts (default: 16)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token (default: 4)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max tokens per rank (default: 32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--keep-going", action="store_true", help="run every iteration even after a mismatch")
+    p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: one wrong combine
+
+
+def check_arguments(args: argparse.Namespace) -> Optional[str]:
+    args.backend = default_backends(args.backend)
+    names, _, err = resolve_backend_request(args.backend)
+    if err:
+        return err
+    if args.iters < 1 or args.start < 0:
+        return "--iters must be >= 1 and --start >= 0"
+    try:
+        EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=args.max_tokens,
+                 dtype=DTYPES[args.dtype])
+    except EPConfigError as exc:
+        return str(exc)
+    return None
+
+
+@dataclasses.dataclass
+class Case:
+    """Everything that defines one iteration's inputs (identical on every rank)."""
+
+    iteration: int
+    quant: Optional[str]
+    payload: str  # "dtype" | "uint8"
+    routing: str
+    tokens: list[int]
+    p_minus_one: float
+    p_duplicate: float
+    scales_width: int
+    data_seed: int
+
+    def describe(self) -> str:
+        return (f"quant {self.quant or 'none'}, payload {self.payload}, routing {self.routing}, tokens per rank "
+                f"{self.tokens}, p_minus_one {self.p_minus_one}, p_duplicate {self.p_duplicate}, "
+                f"scales_width {self.scales_width}, data seed {self.data_seed}")
+
+
+def plan(args: argparse.Namespace, iteration: int, world: int, fp8_ok: bool) -> Case:
+    """The iteration's case, from ``(seed, iteration)`` only (str seeds hash the same in every process)."""
+    rng = random.Random(f"ep-comm-stress:{args.seed}:{iteration}")
+    quant = "fp8" if fp8_ok and rng.random() < 0.25 else None
+    payload = "uint8" if quant is None and rng.random() < 0.15 else "dtype"
+    routing = "skewed" if rng.random() < 0.3 else "uniform"
+    if rng.random() < 0.03:
+        tokens = [0] * world  # a round where nobody has tokens must still complete
+    else:
+        tokens = [0 if rng.random() < 0.15 else rng.randint(1, args.max_tokens) for _ in range(world)]
+    if args.inject_fault and iteration == fault_iteration(args):
+        tokens[world - 1] = max(1, tokens[world - 1])  # the corrupted rank needs a row to corrupt
+    return Case(
+        iteration=iteration, quant=quant, payload=payload, routing=routing, tokens=tokens,
+        p_minus_one=rng.choice((0.0, 0.0, 0.1, 0.3)), p_duplicate=rng.choice((0.0, 0.0, 0.2, 0.5)),
+        scales_width=rng.choice((0, 0, 3)) if payload == "dtype" and quant is None else 0,
+        data_seed=rng.randrange(2**31),
+    )
+
+
+def fault_iteration(args: argparse.Namespace) -> int:
+    return args.start + args.iters // 2
+
+
+# -- the worker -------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> int:
+    env = setup_rank(max(300.0, 3 * args.op_timeout))
+    try:
+        return agree_exit_code(env, _stress(env, args))
+    finally:
+        teardown()
+
+
+@dataclasses.dataclass
+class Stats:
+    iterations: int = 0
+    fp8: int = 0
+    uint8: int = 0
+    skewed: int = 0
+    zero_token_ranks: int = 0
+    tokens: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+
+def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[dict, list[str], int]:
+    """One communicator per (backend, layout, quant); returns (comms, notes, exit code so far)."""
+    names, explicit, _ = resolve_backend_request(args.backend)
+    layouts = ["standard", "batched"] if args.layout == "both" else [args.layout]
+    quants = [None, "fp8"] if fp8_ok else [None]
+    comms: dict[tuple[str, str, Optional[str]], Communicator] = {}
+    notes: list[str] = []
+    code = 0
+    for name in names:
+        for layout in layouts:
+            for quant in quants:
+                cfg = EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
+                               max_tokens_per_rank=args.max_tokens, dtype=DTYPES[args.dtype], layout=layout,
+                               backend=name, quant=quant, timeout_s=args.op_timeout)
+                try:
+                    comm = Communicator(cfg)  # a refusal is raised alike on every rank
+                except EPTopologyError as exc:
+                    msg = f"{name}: not usable here ({exc})"
+                    if msg not in notes:
+                        notes.append(msg)
+                    code = 2 if explicit else code
+                    break
+                key = (comm.backend, layout, quant)
+                if key in comms:  # e.g. "auto" resolved to a backend that is also listed by name
+                    comm.close()
+                else:
+                    comms[key] = comm
+    return comms, notes, code
+
+
+def _stress(env: RankEnv, args: argparse.Namespace) -> int:
+    world, rank = env.world_size, env.rank
+    if args.experts % world:
+        say(env, f"error: --experts {args.experts} is not divisible by the world size {world}")
+        return 2
+    fp8_ok = args.hidden % FP8_BLOCK == 0
+    comms, notes, code = _make_comms(env, args, fp8_ok)
+    for note in notes:
+        say(env, f"note: {note}")
+    if code or not comms:
+        say(env, "error: no requested backend is usable" if not comms else "error: a requested backend is not usable")
+        return code or 2
+    variants = sorted({(b, l) for b, l, _ in comms})
+    say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
+             f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
+             f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
+             + ", ".join(f"{b}/{l}" for b, l in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
+    stats = {v: Stats() for v in variants}
+    failed_cases: list[tuple[Case, list]] = []
+    progress = _Progress(args.iters, enabled=env.is_root)
+    t_start = time.perf_counter()
+    try:
+        for it in range(args.start, args.start + args.iters):
+            case = plan(args, it, world, fp8_ok)
+            records = _run_case(env, args, comms, variants, case, stats)
+            everyone = gather_objects(env, records)  # [(backend, layout, [problems])] per rank
+            bad = [(r, b, l, ps) for r, recs in enumerate(everyone) for b, l, ps in recs if ps]
+            for b, l in {(b, l) for _, b, l, _ in bad}:
+                stats[(b, l)].failures += 1
+            progress.update(len(failed_cases) + (1 if bad else 0))
+            if bad:
+                failed_cases.append((case, bad))
+                if env.is_root:
+                    progress.clear()
+                    _print_failure(env, args, case, bad)
+                if not args.keep_going:
+                    break
+    finally:
+        progress.close()
+        for comm in comms.values():
+            comm.close()
+    elapsed = time.perf_counter() - t_start
+    if env.is_root:
+        _print_summary(env, args, stats, failed_cases, elapsed)
+    return 1 if failed_cases else 0
+
+
+def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: Case,
+              stats: dict) -> list[tuple[str, str, list[str]]]:
+    """Every variant on this case; returns this rank's (backend, layout, problems) records."""
+    rank, world = env.rank, env.world_size
+    cfg = next(c.cfg for (b, l, q), c in comms.items() if q == case.quant)
+    inputs = _case_inputs(cfg, case)
+    expected_d = oracle.expected_dispatch(cfg, inputs)[rank]
+    expected_y = oracle.expected_combine(cfg, [inputs[rank]])[0]  # a rank's output needs only its inputs
+    mine = inputs[rank].to(env.device)
+    records = []
+    for i, (backend, layout) in enumerate(variants):
+        comm = comms[(backend, layout, case.quant)]
+        st = stats[(backend, layout)]
+        st.iterations += 1
+        st.fp8 += case.quant == "fp8"
+        st.uint8 += case.payload == "uint8"
+        st.skewed += case.routing == "skewed"
+        st.zero_token_ranks += case.tokens.count(0)
+        st.tokens += sum(case.tokens)
+        problems: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+            problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
+            y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
+            if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+                y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
+            problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
+        except Exception as exc:  # noqa: BLE001 - any failure of the library is a finding, reported with its case
+            problems.append(f"{type(exc).__name__}: {exc}")
+        st.seconds += time.perf_counter() - t0
+        records.append((backend, layout, problems))
+    return records
+
+
+def _case_inputs(cfg: EPConfig, case: Case) -> list[oracle.RankInput]:
+    """``oracle.random_inputs`` for the case, with zero-token ranks filled in here.
+
+    ``random_inputs(routing="skewed")`` raises for a rank with T=0 (its skew branch is skipped for
+    T=0 and the routing name then falls through to the "unknown routing" error), so the non-empty
+    ranks are generated in one call and empty inputs are inserted for the others.  Zero-size draws
+    consume no random numbers, so the data equals what a fixed ``random_inputs`` would return.
+    """
+    live = [t for t in case.tokens if t]
+    generated = iter(oracle.random_inputs(
+        cfg, len(case.tokens), case.data_seed, tokens=live, routing=case.routing, payload=case.payload,
+        scales_width=case.scales_width, p_minus_one=case.p_minus_one, p_duplicate=case.p_duplicate,
+    ) if live else [])
+    out = []
+    for t in case.tokens:
+        if t:
+            out.append(next(generated))
+            continue
+        width = cfg.hidden // 2 if case.payload == "uint8" else cfg.hidden
+        x = torch.empty(0, width, dtype=torch.uint8 if case.payload == "uint8" else cfg.dtype)
+        s = torch.empty(0, case.scales_width) if case.scales_width else None
+        out.append(oracle.RankInput(x, torch.empty(0, cfg.top_k, dtype=torch.int32),
+                                    torch.empty(0, cfg.top_k, dtype=torch.float32), s))
+    return out
+
+
+def _print_failure(env: RankEnv, args: argparse.Namespace, case: Case, bad: list) -> None:
+    print(f"\nMISMATCH in iteration {case.iteration} (seed {args.seed}): {case.describe()}", flush=True)
+    for rank, backend, layout, problems in bad:
+        for p in problems:
+            print(f"  rank {rank}, backend {backend}, layout {layout}: {p}", flush=True)
+    backends = sorted({b for _, b, _, _ in bad})
+    print(f"  replay: ep-comm stress --nproc {env.world_size} --seed {args.seed} --start {case.iteration} --iters 1 "
+          f"--backend {','.join(backends)} --hidden {args.hidden} --experts {args.experts} --topk {args.topk} "
+          f"--max-tokens {args.max_tokens} --dtype {args.dtype}" + (" --inject-fault" if args.inject_fault else ""),
+          flush=True)
+
+
+def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: list, elapsed: float) -> None:
+    rows = []
+    for (backend, layout), st in sorted(stats.items()):
+        per_iter = 1e3 * st.seconds / st.iterations if st.iterations else 0.0
+        rows.append([backend, layout, st.iterations, st.fp8, st.uint8, st.skewed, st.zero_token_ranks,
+                     st.tokens, st.failures, f"{per_iter:.1f}", "FAIL" if st.failures else "ok"])
+    print(format_table(["backend", "layout", "iters", "fp8", "uint8", "skewed", "zero_tok_ranks", "tokens",
+                        "failures", "ms/iter", "result"], rows, right=range(2, 10)), flush=True)
+    done = max((st.iterations for st in stats.values()), default=0)
+    verdict = "FAILED" if failed else "PASSED"
+    print(f"stress {verdict}: {done} iteration(s) x {len(stats)} variant(s) on {env.world_size} ranks, "
+          f"{len(failed)} failing iteration(s), {elapsed:.1f} s", flush=True)
+
+
+class _Progress:
+    """tqdm when installed; otherwise a \\r counter on a terminal, or a line per 10 % into a log."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.done, self.failures = total, enabled, 0, 0
+        self.bar: Any = None
+        self.tty = enabled and sys.stderr.isatty()
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, desc="stress", unit="it", leave=False)
+            except ImportError:
+                self.bar = None
+
+    def update(self, failures: int) -> None:
+        if not self.enabled:
+            return
+        self.done += 1
+        self.failures = failures
+        if self.bar is not None:
+            self.bar.set_postfix(failures=failures, refresh=False)
+            self.bar.update(1)
+        elif self.tty:
+            sys.stderr.write(f"\rstress {self.done}/{self.total} iterations, {failures} failing")
+            sys.stderr.flush()
+        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
+            print(f"stress {self.done}/{self.total} iterations, {failures} failing", file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        elif self.tty:
+            sys.stderr.write("\r" + " " * 60 + "\r")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.tty and self.done:
+            sys.stderr.write("\n")
+            self.tty = False

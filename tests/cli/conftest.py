@@ -1,0 +1,31 @@
+"""Helpers for the CLI tests: run ``python -m ep_comm ...`` as a subprocess with a timeout."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+import pytest
+
+from ep_comm.distributed.spawn import LAUNCHER_VARS
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment minus any launcher variables (pytest itself may run under a launcher)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and k != "EP_COMM_BACKEND"}
+    env.update(extra)
+    return env
+
+
+def run_cli(args: Sequence[str], timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
+    """``python -m ep_comm <args>``; stdout/stderr captured as text."""
+    return subprocess.run([sys.executable, "-m", "ep_comm", *args], cwd=REPO, env=clean_env(**extra_env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return run_cli

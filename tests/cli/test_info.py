@@ -1,0 +1,33 @@
+"""``ep-comm info``: ranks, hosts, backend usability with reasons, memory layer section."""
+from __future__ import annotations
+
+import json
+
+from ep_comm.backends import NOT_BUILT, registered
+from ep_comm.cli.main import main
+
+
+def test_info_report(cli, tmp_path):
+    path = tmp_path / "info.json"
+    proc = cli(["info", "--nproc", "2", "--json", str(path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("== backends") == 1  # one report, from rank 0
+    assert "world size 2" in out
+    for name in registered():
+        assert any(ln.startswith(name) and "usable" in ln for ln in out.splitlines()), name
+    for name, why in NOT_BUILT.items():
+        assert f"{name}" in out and why in out  # every unusable backend says why, on one line
+    assert "auto -> " in out
+    assert "== memory layer ==" in out and "memory" in out.split("== memory layer ==")[1]
+    assert "IMEX" in out and "nvidia-smi" in out
+    doc = json.loads(path.read_text())
+    assert doc["world_size"] == 2 and len(doc["ranks"]) == 2
+    assert set(doc["backends"]) >= set(registered()) | set(NOT_BUILT)
+    assert all(doc["backends"][n]["usable"] for n in registered())
+    assert all(not doc["backends"][n]["usable"] and doc["backends"][n]["reason"] for n in NOT_BUILT)
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert main([]) == 2
+    assert "bench" in capsys.readouterr().out
