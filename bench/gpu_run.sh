@@ -19,10 +19,12 @@ summary "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20 | tee -a "$OUT/summary.txt"
 
 if [ "${1:-}" != "quick" ]; then
-  for mode in eager graph; do
-    timeout 200 python3 -m ep_comm bench --nproc 2 --mode $mode --tokens 128 4096 --json "$OUT/bench-$mode.json" > "$OUT/bench-$mode.log" 2>&1
-    summary "bench $mode rc=$?"
-    grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto)" "$OUT/bench-$mode.log" | tee -a "$OUT/summary.txt"
+  export EP_COMM_HANG_DUMP_S=${EP_COMM_HANG_DUMP_S:-150}
+  for run in ${BENCH_RUNS:-eager:128,4096 graph:128 graph:4096}; do
+    mode=${run%%:*}; toks=${run#*:}; tag="$mode-${toks//,/-}"
+    timeout 200 python3 -m ep_comm bench --nproc 2 --mode $mode --tokens ${toks//,/ } --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
+    summary "bench $mode tokens $toks rc=$?"
+    grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto)" "$OUT/bench-$tag.log" | tee -a "$OUT/summary.txt"
   done
   timeout 60 python3 -m ep_comm info --nproc 2 > "$OUT/info.log" 2>&1; summary "info rc=$?"
   timeout 100 python3 -m ep_comm stress --nproc 2 --iters ${STRESS_ITERS:-50} > "$OUT/stress.log" 2>&1

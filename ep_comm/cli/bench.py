@@ -17,6 +17,7 @@ with per-peer chunks of ``tokens × hidden`` elements of ``--dtype``.
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import datetime
 import json
@@ -356,6 +357,7 @@ def _bench(env: RankEnv, args: argparse.Namespace) -> int:
     failures: list[dict] = []
     notes: list[str] = []
     for tokens in args.tokens:
+        say(env, f"  [{tokens} tok] all_to_all_single baseline ({args.mode})", file=sys.stderr)
         base_p50, base_p90, base_mode = _time_baseline(env, args, tokens)
         sets = _make_sets(env, args, tokens)
         for name in names:
@@ -370,6 +372,8 @@ def _bench(env: RankEnv, args: argparse.Namespace) -> int:
                         notes.append(f"{name}: skipped, not usable here ({exc})")
                     continue
                 with comm:
+                    say(env, f"  [{tokens} tok] {comm.backend}/{layout}: oracle check, then {args.mode} timing",
+                        file=sys.stderr)
                     problems = _sanity_check(env, cfg, comm, args)
                     timed = None
                     if not problems:

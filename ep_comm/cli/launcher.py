@@ -155,6 +155,12 @@ def setup_rank(timeout_s: float = 300.0) -> RankEnv:
 
     from ..distributed import init_distributed
 
+    hang_dump = os.environ.get("EP_COMM_HANG_DUMP_S")
+    if hang_dump:
+        # diagnosing a stuck run on a remote machine: every thread's Python stack to stderr after N s
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(hang_dump), exit=False)
     spawned = os.environ.get(_SPAWNED_ENV)
     if spawned and not torch.cuda.is_available():
         # N CPU ranks on one host: without this each rank starts one thread per core and they thrash
