@@ -167,6 +167,16 @@ class GatherHandle:
     local_weights: torch.Tensor  # [R, k] float32, 0 where the expert is not on this rank
 
 
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """2-D rows reinterpreted as the widest integer words that divide a row (index_copy moves one
+    element per thread: bytes would be 8x slower than int64 words)."""
+    raw = rows.contiguous().view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if raw.shape[1] % dtype.itemsize == 0:
+            return raw.view(dtype)
+    return raw
+
+
 def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) -> Dispatched:
     """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync)."""
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
@@ -205,18 +215,18 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     row_elems = 1
     for dim in tail:
         row_elems *= dim
-    x_bytes = g.x.reshape(r, row_elems).view(torch.uint8)
-    x_b = torch.empty((dummy + r, x_bytes.shape[1]), dtype=torch.uint8, device=g.x.device)
+    x_bytes = _as_words(g.x.reshape(r, row_elems))
+    x_b = torch.empty((dummy + r, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
     s_bytes = s_b = None
     if g.x_scales is not None:
-        s_bytes = g.x_scales.view(torch.uint8)
-        s_b = torch.empty((dummy + r, s_bytes.shape[1]), dtype=torch.uint8, device=g.x.device)
+        s_bytes = _as_words(g.x_scales)
+        s_b = torch.empty((dummy + r, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
     for j in range(k):
         x_b.index_copy_(0, dest[:, j], x_bytes)
         if s_b is not None:
             s_b.index_copy_(0, dest[:, j], s_bytes)
-    x_out = x_b[:dummy].view(g.x.dtype).view(L, cap, *tail)
-    s_out = None if s_b is None else s_b[:dummy].view(g.x_scales.dtype).view(L, cap, -1)
+    x_out = x_b[:dummy].view(torch.uint8).view(g.x.dtype).view(L, cap, *tail)
+    s_out = None if s_b is None else s_b[:dummy].view(torch.uint8).view(g.x_scales.dtype).view(L, cap, -1)
     handle = GatherHandle(g.rows, row_valid, dest, local_w)
     return Dispatched(
         layout="batched", x=x_out, x_scales=s_out,

@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import time
+import traceback
 from typing import Any, Optional
 
 import numpy as np
@@ -268,10 +269,11 @@ def _time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunS
         comm.combine(_expert_buffer(cache, cfg, d, env.device), d)
     host_barrier(env)
     g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_dispatch):
+    # thread_local: the NCCL watchdog thread may query events of earlier eager work mid-capture
+    with torch.cuda.graph(g_dispatch, capture_error_mode="thread_local"):
         d_s = comm.dispatch(x_s, ids_s, w_s)
     eo_s = torch.zeros_like(_expert_buffer(cache, cfg, d_s, env.device))
-    with torch.cuda.graph(g_combine):
+    with torch.cuda.graph(g_combine, capture_error_mode="thread_local"):
         y_s = comm.combine(eo_s, d_s)
 
     host_barrier(env)
@@ -317,7 +319,7 @@ def _time_baseline(env: RankEnv, args: argparse.Namespace, tokens: int) -> tuple
     if args.mode == "graph":
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 dist.all_to_all_single(recv, send)
             run, mode = graph.replay, "graph"
         except Exception:  # noqa: BLE001 - an uncapturable baseline is timed eagerly, and says so
@@ -337,9 +339,17 @@ def _time_baseline(env: RankEnv, args: argparse.Namespace, tokens: int) -> tuple
 def worker(args: argparse.Namespace) -> int:
     env = setup_rank(max(300.0, 3 * args.op_timeout))
     try:
-        return agree_exit_code(env, _bench(env, args))
-    finally:
-        teardown()
+        code = agree_exit_code(env, _bench(env, args))
+    except BaseException:
+        # show the error now: with NCCL, destroying a process group after a failed collective or
+        # capture can block forever, which would hide it
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        if env.device.type == "cuda":
+            os._exit(3)
+        raise
+    teardown()
+    return code
 
 
 def _bench(env: RankEnv, args: argparse.Namespace) -> int:

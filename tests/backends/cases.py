@@ -110,7 +110,7 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
             comm.combine(graph_experts(cfg, rank, world, d), d)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 d_s = comm.dispatch(x_s, ids_s, w_s)
                 y_s = comm.combine(graph_experts(cfg, rank, world, d_s), d_s)
             for rep in range(replays):
