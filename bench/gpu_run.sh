@@ -27,7 +27,7 @@ if [ "${1:-}" != "quick" ]; then
     grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto)" "$OUT/bench-$tag.log" | tee -a "$OUT/summary.txt"
   done
   [ -n "${SKIP_INFO:-}" ] || timeout 60 python3 -m ep_comm info --nproc 2 > "$OUT/info.log" 2>&1; summary "info rc=$?"
-  timeout 100 python3 -m ep_comm stress --nproc 2 --iters ${STRESS_ITERS:-50} > "$OUT/stress.log" 2>&1
+  [ -n "${SKIP_STRESS:-}" ] || timeout 100 python3 -m ep_comm stress --nproc 2 --iters ${STRESS_ITERS:-50} > "$OUT/stress.log" 2>&1
   summary "stress rc=$?: $(tail -4 "$OUT/stress.log" | tr '\n' ' ')"
 fi
 cat "$OUT/summary.txt"

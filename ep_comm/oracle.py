@@ -272,7 +272,7 @@ def combine_tolerance(cfg: EPConfig) -> float:
 
 
 def compare_combine(cfg: EPConfig, y: torch.Tensor, expected: torch.Tensor) -> list[str]:
-    y, expected = y.detach().float().cpu(), expected.float()
+    y, expected = y.detach().float().cpu(), expected.detach().float().cpu()
     if tuple(y.shape) != tuple(expected.shape):
         return [f"combine output shape {tuple(y.shape)}, expected {tuple(expected.shape)}"]
     if not torch.isfinite(y).all():
