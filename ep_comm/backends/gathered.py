@@ -194,21 +194,24 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
             topk_weights=local_w, num_tokens=num_tokens, epoch=epoch, handle=handle,
         )
 
-    # batched: slot of each (row, expert) pair = how many earlier pairs (row-major) chose that expert
+    # batched: slot of each (row, expert) pair = how many earlier pairs (row-major) chose that expert.
+    # The running count is an inclusive scan along the *last* dim of an expert-major one-hot: torch
+    # scans an outer dim with one sequential thread per column (measured 26 ms at 4096 tokens, H200).
     r, k = local_ids.shape
     pair_expert = local_ids.reshape(-1)
-    onehot = torch.zeros(r * k, L, dtype=torch.int32, device=g.ids.device)
     valid_pairs = pair_expert >= 0
-    onehot.scatter_(1, pair_expert.clamp_min(0).unsqueeze(1), valid_pairs.to(torch.int32).unsqueeze(1))
-    running = torch.cumsum(onehot, dim=0)
-    slot = torch.gather(running, 1, pair_expert.clamp_min(0).unsqueeze(1)).squeeze(1) - 1
+    expert_of_pair = pair_expert.clamp_min(0).unsqueeze(0)  # [1, R*k]
+    onehot = torch.zeros(L, r * k, dtype=torch.int32, device=g.ids.device)
+    onehot.scatter_(0, expert_of_pair, valid_pairs.to(torch.int32).unsqueeze(0))
+    running = torch.cumsum(onehot, dim=1)  # [L, R*k]
+    slot = torch.gather(running, 0, expert_of_pair).squeeze(0) - 1
     # pairs that go nowhere land in a per-row trash row: one shared dummy row would serialise the
     # device on thousands of writes to the same address (measured: 30 ms at 4096 tokens on H200)
     dummy = L * cap
     trash = dummy + torch.arange(r, device=g.ids.device).repeat_interleave(k)
     dest = torch.where(valid_pairs, pair_expert * cap + slot, trash).to(torch.int64)
     dest = dest.view(r, k)
-    expert_num_tokens = running[-1].to(torch.int32) if r * k else torch.zeros(L, dtype=torch.int32, device=g.ids.device)
+    expert_num_tokens = running[:, -1].to(torch.int32) if r * k else torch.zeros(L, dtype=torch.int32, device=g.ids.device)
 
     # move rows as raw bytes: works for every payload dtype (fp8 has no index_copy kernel on CPU)
     tail = tuple(g.x.shape[1:])
@@ -239,14 +242,13 @@ def combine_partial(ctx: BackendContext, expert_out: torch.Tensor, handle: Gathe
     if handle.dest is None:  # standard: rows are already weighted sums over this rank's experts
         return torch.where(handle.row_valid.unsqueeze(1), expert_out.float(), 0.0)
     flat = expert_out.reshape(-1, expert_out.shape[-1])
-    dummy = flat.shape[0]
-    acc = torch.zeros(handle.dest.shape[0], flat.shape[1], dtype=torch.float32, device=flat.device)
-    for j in range(handle.dest.shape[1]):
-        d = handle.dest[:, j]
-        valid = (d < dummy).unsqueeze(1)
-        rows = flat.index_select(0, d.clamp_max(dummy - 1)).float()
-        acc += torch.where(valid, rows * handle.local_weights[:, j: j + 1], 0.0)
-    return acc
+    slots = flat.shape[0]
+    r, k = handle.dest.shape
+    valid = handle.dest < slots  # [R, k]
+    # one gather of every (row, expert) pair, masked before weighting: padding slots may hold NaN
+    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1)).view(r, k, flat.shape[1])
+    weights = torch.where(valid, handle.local_weights, 0.0).unsqueeze(2)
+    return torch.where(valid.unsqueeze(2), rows.float() * weights, 0.0).sum(dim=1)
 
 
 def add_combine_headers(ctx: BackendContext, partial: torch.Tensor, rows: Sequence[int], op: int, epoch: int):
