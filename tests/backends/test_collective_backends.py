@@ -1,11 +1,11 @@
-"""naive and ag_rs on gloo (CPU) with 2 and 4 spawned ranks, against the oracle."""
+"""naive and ag_rs on gloo (CPU) with 2, 4 and 8 spawned ranks, against the oracle."""
 import pytest
 
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from . import cases
 
-WORLDS = (2, 4)
+WORLDS = (2, 4, 8)
 _cache: dict = {}
 
 
