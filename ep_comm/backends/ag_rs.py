@@ -12,24 +12,12 @@ import torch
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..layouts import Dispatched
 from . import gathered as gd
-from .base import Availability, BackendContext, RoutedBatch
+from .base import RoutedBatch
 from .collectives import all_gatherv, reduce_scatterv
 
 
-class AllGatherReduceScatterBackend:
+class AllGatherReduceScatterBackend(gd.CollectiveBackend):
     name = "ag_rs"
-    graph_capturable = True
-
-    def __init__(self, ctx: BackendContext):
-        self.ctx = ctx
-
-    @classmethod
-    def availability(cls, ctx: BackendContext) -> Availability:
-        return Availability(True)
-
-    @classmethod
-    def create(cls, ctx: BackendContext) -> "AllGatherReduceScatterBackend":
-        return cls(ctx)
 
     def dispatch(self, batch: RoutedBatch) -> Dispatched:
         ctx = self.ctx
@@ -51,6 +39,3 @@ class AllGatherReduceScatterBackend:
         mine = gd.check_combine_header(ctx, mine, OP_COMBINE, dispatched.epoch)
         out.copy_(mine[: dispatched.num_tokens])
         return out
-
-    def close(self) -> None:
-        pass

@@ -19,11 +19,32 @@ from typing import Optional, Sequence
 import torch
 
 from ..layouts import Dispatched
-from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, BackendContext, RoutedBatch
+from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
 MAGIC = 0x45504331  # "EPC1"
 HEADER_INTS = 8
 ALIGN = 16
+
+
+class CollectiveBackend:
+    """What naive and ag_rs share: no buffers of their own, usable wherever torch.distributed is."""
+
+    name = ""
+    graph_capturable = True
+
+    def __init__(self, ctx: BackendContext):
+        self.ctx = ctx
+
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability:
+        return Availability(True)
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> "CollectiveBackend":
+        return cls(ctx)
+
+    def close(self) -> None:
+        pass
 
 
 def _align(n: int) -> int:

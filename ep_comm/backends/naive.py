@@ -12,24 +12,12 @@ import torch.distributed as dist
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..layouts import Dispatched
 from . import gathered as gd
-from .base import Availability, BackendContext, RoutedBatch
+from .base import RoutedBatch
 from .collectives import all_gather_equal
 
 
-class NaiveBackend:
+class NaiveBackend(gd.CollectiveBackend):
     name = "naive"
-    graph_capturable = True
-
-    def __init__(self, ctx: BackendContext):
-        self.ctx = ctx
-
-    @classmethod
-    def availability(cls, ctx: BackendContext) -> Availability:
-        return Availability(True)
-
-    @classmethod
-    def create(cls, ctx: BackendContext) -> "NaiveBackend":
-        return cls(ctx)
 
     def dispatch(self, batch: RoutedBatch) -> Dispatched:
         ctx = self.ctx
@@ -51,6 +39,3 @@ class NaiveBackend:
         mine = gd.check_combine_header(ctx, buf[start: start + chunk_rows[ctx.rank]], OP_COMBINE, dispatched.epoch)
         out.copy_(mine[: dispatched.num_tokens])
         return out
-
-    def close(self) -> None:
-        pass

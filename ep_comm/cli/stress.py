@@ -158,7 +158,7 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
 
 
 def _stress(env: RankEnv, args: argparse.Namespace) -> int:
-    world, rank = env.world_size, env.rank
+    world = env.world_size
     if args.experts % world:
         say(env, f"error: --experts {args.experts} is not divisible by the world size {world}")
         return 2
