@@ -10,7 +10,6 @@ from . import backends as _backends
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
 from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
-from .distributed.topology import gather_topology
 from .errors import EPConfigError, EPError, EPInputError, EPTopologyError
 from .layouts import Dispatched
 from .quant import quantize_fp8
@@ -58,7 +57,7 @@ class Communicator:
         self.capacity = cfg.capacity(self.world_size)
         self.device = _group_device(group)
         self.control = ControlPlane(group, cfg.timeout_s)
-        self.topology = gather_topology(self.control.cpu_group, self.device.index)
+        self.topology = self.control.topology(self.device.index)
         self._error_flags = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=self.device)
         self._ctx = _backends.BackendContext(
             cfg=cfg, group=group, control=self.control, topology=self.topology, rank=self.rank,

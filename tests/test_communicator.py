@@ -225,3 +225,31 @@ def test_attributes_and_auto_backend(monkeypatch):
     res = raise_on_failure(spawn_local(attributes_worker, 2, timeout_s=60,
                                        extra_env=lambda r: {**CPU_ONLY, "EP_COMM_BACKEND": "naive"}))
     assert {r["backend"] for r in res} == {"naive"}
+
+
+def subgroup_worker():
+    import torch.distributed as dist
+
+    topo = ep_comm.init_distributed()
+    # every rank creates both subgroups (torch's rule); each rank then uses only its own
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[topo.rank // 2]
+    sub_rank, sub_world = dist.get_rank(mine), dist.get_world_size(mine)
+    cfg = _cfg(sub_world, layout="batched" if topo.rank < 2 else "standard", backend="ag_rs")
+    inputs = oracle.random_inputs(cfg, sub_world, seed=50 + topo.rank // 2, tokens=[5, 8])
+    with ep_comm.Communicator(cfg, group=mine) as comm:
+        inp = inputs[sub_rank]
+        problems = []
+        for _ in range(2):
+            d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+            problems += oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[sub_rank])
+            y = comm.combine(oracle.run_experts(cfg, sub_rank, sub_world, d), d)
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[sub_rank])
+        return (comm.rank, comm.world_size, problems)
+
+
+def test_communicator_over_subgroups():
+    res = raise_on_failure(spawn_local(subgroup_worker, 4, timeout_s=120, extra_env=lambda r: CPU_ONLY))
+    assert [(r, w) for r, w, _ in res] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    for rank, (_, _, problems) in enumerate(res):
+        assert problems == [], f"rank {rank}: {problems}"

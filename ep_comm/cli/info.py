@@ -114,7 +114,6 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, 
     from ..backends import NOT_BUILT, BackendContext, registered
     from ..backends.base import NUM_FLAGS
     from ..distributed.control import ControlPlane
-    from ..distributed.topology import gather_topology
 
     world = env.world_size
     experts = experts if experts % world == 0 else world * max(1, experts // world)
@@ -122,7 +121,7 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, 
                    timeout_s=timeout_s)
     control = ControlPlane(None, timeout_s)
     try:
-        topo = gather_topology(control.cpu_group, env.device.index if env.device.type == "cuda" else None)
+        topo = control.topology(env.device.index if env.device.type == "cuda" else None)
         ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
                              device=env.device, error_flags=torch.zeros(NUM_FLAGS, dtype=torch.int64, device=env.device))
         out: dict[str, str] = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import pickle
 import secrets
 import time
 from typing import Optional, Sequence
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EPError, EPInputError, EPTimeoutError
+from .topology import Topology, local_host_id
 
 OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close"}
 OP_CREATE, OP_DISPATCH, OP_COMBINE, OP_CLOSE = 0, 1, 2, 3
@@ -48,7 +50,12 @@ def _default_store() -> Optional[dist.Store]:
 
 
 class ControlPlane:
-    """Per-communicator CPU control channel.  Creating one is collective over ``group``."""
+    """Per-communicator CPU control channel.  Creating one is collective over ``group``.
+
+    It owns a private gloo process group built on a store prefix that is unique to this communicator
+    (a random token broadcast over ``group``), so communicators over disjoint or repeated subgroups
+    never share rendezvous keys, and nothing is registered in torch's global group table.
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup], timeout_s: float):
         self.timeout_s = float(timeout_s)
@@ -57,15 +64,29 @@ class ControlPlane:
         self.global_ranks: list[int] = (
             list(range(self.size)) if group is None else dist.get_process_group_ranks(group)
         )
-        self.cpu_group = dist.new_group(
-            self.global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
-        )
         token = [secrets.token_hex(8) if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=self.global_ranks[0], group=self.cpu_group)
+        dist.broadcast_object_list(token, src=self.global_ranks[0], group=group)
         self.token: str = token[0]
         base = _default_store()
-        self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base) if base is not None else None
+        if base is None:
+            raise EPError("torch.distributed has no rendezvous store to build the control plane on; "
+                          "initialise with ep_comm.init_distributed() or an env:// / tcp:// init_method")
+        self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base)
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo/", self.store), self.rank, self.size,
+            datetime.timedelta(seconds=self.timeout_s),
+        )
         self.broken: Optional[str] = None
+
+    def _allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        outs = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._pg.allgather([outs], [tensor]).wait()
+        return outs
+
+    def topology(self, device_index: Optional[int] = None) -> Topology:
+        """Collective: this group's Topology (host ids all-gathered over the control plane)."""
+        return Topology.from_host_ids(self.rank, [str(h) for h in self.gather_objects(local_host_id())],
+                                      device_index)
 
     # -- the one per-call exchange -------------------------------------------------------------------
     def agree(
@@ -79,9 +100,8 @@ class ControlPlane:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
         self._record_arrival(op, epoch)
         mine = torch.tensor([op, epoch, 1 if error is not None else 0, num_tokens], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(self.size)]
         try:
-            dist.all_gather(gathered, mine, group=self.cpu_group)
+            gathered = self._allgather(mine)
         except RuntimeError as exc:
             self.broken = f"peer exchange failed in {OP_NAMES[op]} epoch {epoch}"
             raise self._timeout_error(op, epoch, exc) from exc
@@ -100,9 +120,12 @@ class ControlPlane:
         return peers
 
     def gather_objects(self, obj) -> list:
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+        """All-gather picklable objects (lengths first, then padded bytes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        lengths = [int(n) for n in self._allgather(torch.tensor([data.numel()], dtype=torch.int64))]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        return [pickle.loads(buf[:n].numpy().tobytes()) for buf, n in zip(self._allgather(padded), lengths)]
 
     # -- error paths ---------------------------------------------------------------------------------
     def _record_arrival(self, op: int, epoch: int) -> None:
@@ -155,11 +178,11 @@ class ControlPlane:
         raise EPInputError(f"invalid input on peer rank(s) {[r for r, _ in bad]} ({desc})")
 
     def close(self) -> None:
-        """Tear the gloo group down now: left to interpreter exit, its threads can abort the process."""
+        """Shut the gloo group down now: left to interpreter exit, its threads can abort the process."""
         self.broken = self.broken or "closed"
-        group, self.cpu_group = self.cpu_group, None
-        if group is not None and dist.is_initialized():
+        pg, self._pg = self._pg, None
+        if pg is not None:
             try:
-                dist.destroy_process_group(group)
-            except Exception:  # already gone with the default group
+                pg.shutdown()
+            except Exception:  # older torch: no shutdown(); the object's destructor closes it
                 pass
