@@ -6,6 +6,7 @@ OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl
 export NVSHMEM_REMOTE_TRANSPORT=none
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } > "$OUT/env.txt" 2>&1
@@ -22,12 +23,12 @@ if [ "${1:-}" != "quick" ]; then
   export EP_COMM_HANG_DUMP_S=${EP_COMM_HANG_DUMP_S:-150}
   for run in ${BENCH_RUNS:-eager:128,4096 graph:128 graph:4096}; do
     mode=${run%%:*}; toks=${run#*:}; tag="$mode-${toks//,/-}"
-    timeout ${BENCH_TIMEOUT:-200} python3 -m ep_comm bench --nproc 2 --mode $mode --tokens ${toks//,/ } --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
+    timeout ${BENCH_TIMEOUT:-200} python3 -m ep_comm bench --nproc $NPROC --mode $mode --tokens ${toks//,/ } --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
     summary "bench $mode tokens $toks rc=$?"
     grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto)" "$OUT/bench-$tag.log" | tee -a "$OUT/summary.txt"
   done
-  [ -n "${SKIP_INFO:-}" ] || timeout 60 python3 -m ep_comm info --nproc 2 > "$OUT/info.log" 2>&1; summary "info rc=$?"
-  [ -n "${SKIP_STRESS:-}" ] || timeout 100 python3 -m ep_comm stress --nproc 2 --iters ${STRESS_ITERS:-50} > "$OUT/stress.log" 2>&1
+  [ -n "${SKIP_INFO:-}" ] || timeout 60 python3 -m ep_comm info --nproc $NPROC > "$OUT/info.log" 2>&1; summary "info rc=$?"
+  [ -n "${SKIP_STRESS:-}" ] || timeout 100 python3 -m ep_comm stress --nproc $NPROC --iters ${STRESS_ITERS:-50} > "$OUT/stress.log" 2>&1
   summary "stress rc=$?: $(tail -4 "$OUT/stress.log" | tr '\n' ' ')"
 fi
 cat "$OUT/summary.txt"
