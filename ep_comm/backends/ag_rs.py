@@ -7,35 +7,27 @@ be static, so it pads to ``max_tokens_per_rank`` there (same collectives, fixed 
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ..distributed.control import OP_COMBINE, OP_DISPATCH
-from ..layouts import Dispatched
-from . import gathered as gd
 from .base import RoutedBatch
 from .collectives import all_gatherv, reduce_scatterv
+from .gathered import CollectiveBackend
 
 
-class AllGatherReduceScatterBackend(gd.CollectiveBackend):
+class AllGatherReduceScatterBackend(CollectiveBackend):
     name = "ag_rs"
 
-    def dispatch(self, batch: RoutedBatch) -> Dispatched:
-        ctx = self.ctx
-        rows = list(batch.peer_tokens) if batch.peer_tokens is not None else [ctx.cfg.max_tokens_per_rank] * ctx.world_size
-        layouts = [gd.layout_for(batch, n) for n in rows]
-        send = torch.empty(layouts[ctx.rank].nbytes, dtype=torch.uint8, device=ctx.device)
-        gd.pack(batch, layouts[ctx.rank], OP_DISPATCH, ctx.rank, send)
-        bufs = all_gatherv(send, [lay.nbytes for lay in layouts], ctx.rank, ctx.control.global_ranks, ctx.group)
-        g = gd.unpack(bufs, layouts)
-        gd.check_dispatch_headers(ctx, g, OP_DISPATCH, batch.epoch)
-        return gd.select_local(ctx, g, batch.num_tokens, batch.epoch)
+    def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
+        if batch.peer_tokens is not None:
+            return list(batch.peer_tokens)
+        return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.world_size
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
+    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Sequence[torch.Tensor]:
         ctx = self.ctx
-        handle: gd.GatherHandle = dispatched.handle
-        partial = gd.combine_partial(ctx, expert_out, handle)
-        buf, chunk_rows = gd.add_combine_headers(ctx, partial, handle.rows, OP_COMBINE, dispatched.epoch)
-        mine = reduce_scatterv(buf, chunk_rows, ctx.rank, ctx.control.global_ranks, ctx.group)
-        mine = gd.check_combine_header(ctx, mine, OP_COMBINE, dispatched.epoch)
-        out.copy_(mine[: dispatched.num_tokens])
-        return out
+        return all_gatherv(send, nbytes, ctx.rank, ctx.control.global_ranks, ctx.group)
+
+    def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
+        ctx = self.ctx
+        return reduce_scatterv(buf, chunk_rows, ctx.rank, ctx.control.global_ranks, ctx.group)

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..layouts import Dispatched
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
@@ -27,7 +28,9 @@ ALIGN = 16
 
 
 class CollectiveBackend:
-    """What naive and ag_rs share: no buffers of their own, usable wherever torch.distributed is."""
+    """The dispatch/combine flow naive and ag_rs share; they differ only in three hooks:
+    ``rows_per_rank`` (token slots each rank sends), ``gather`` (the all-gather) and ``reduce`` (sum the
+    destination-major float32 chunks over ranks and return this rank's)."""
 
     name = ""
     graph_capturable = True
@@ -45,6 +48,46 @@ class CollectiveBackend:
 
     def close(self) -> None:
         pass
+
+    def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
+        raise NotImplementedError
+
+    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Sequence[torch.Tensor]:
+        raise NotImplementedError
+
+    def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dispatch(self, batch: RoutedBatch) -> Dispatched:
+        ctx = self.ctx
+        checks = device_checks(ctx)
+        layouts = [layout_for(batch, n) for n in self.rows_per_rank(batch)]
+        send = torch.empty(layouts[ctx.rank].nbytes, dtype=torch.uint8, device=ctx.device)
+        pack(batch, layouts[ctx.rank], send, header=(OP_DISPATCH, ctx.rank) if checks else None)
+        g = unpack(self.gather(send, [lay.nbytes for lay in layouts]), layouts)
+        if checks:
+            check_dispatch_headers(ctx, g, OP_DISPATCH, batch.epoch)
+        return select_local(ctx, g, batch.num_tokens, batch.epoch)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        handle: GatherHandle = dispatched.handle
+        buf, chunk_rows, partial, header = reduce_buffer(ctx, handle.rows, expert_out.shape[-1], dispatched.epoch)
+        combine_partial(expert_out, handle, partial)
+        mine = self.reduce(buf, chunk_rows)
+        if header:
+            mine = check_combine_header(ctx, mine, dispatched.epoch)
+        out.copy_(mine[: dispatched.num_tokens])
+        return out
+
+
+def device_checks(ctx: BackendContext) -> bool:
+    """Whether messages carry (op, epoch) headers checked on the device.
+
+    Only while capturing a CUDA graph: in eager mode the host control plane has already agreed on
+    (op, epoch) with every peer before any data moves, so headers would be redundant work.
+    """
+    return ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _align(n: int) -> int:
@@ -107,13 +150,19 @@ def layout_for(batch: RoutedBatch, rows: int) -> PackLayout:
     )
 
 
-def pack(batch: RoutedBatch, layout: PackLayout, op: int, rank: int, out: torch.Tensor) -> torch.Tensor:
-    """Write ``batch`` into the uint8 buffer ``out [layout.nbytes]``; slots past T are padding (ids -1)."""
+def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
+         header: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Write ``batch`` into the uint8 buffer ``out [layout.nbytes]``; slots past T are padding (ids -1).
+
+    ``header``: ``(op, rank)`` to stamp the (op, epoch, T) header (see ``device_checks``), or None.
+    """
     t, rows, k = batch.num_tokens, layout.rows, layout.top_k
-    # scalar fills, not a host tensor copy: a pageable H2D copy is illegal while capturing a CUDA graph
-    header = out[: HEADER_INTS * 4].view(torch.int32)
-    for i, value in enumerate((MAGIC, op, batch.epoch % (1 << 31), t, rank, 0, 0, 0)):
-        header[i].fill_(value)
+    if header is not None:
+        # scalar fills, not a host tensor copy: a pageable H2D copy is illegal while capturing
+        words = out[: HEADER_INTS * 4].view(torch.int32)
+        op, rank = header
+        for i, value in enumerate((MAGIC, op, batch.epoch % (1 << 31), t, rank, 0, 0, 0)):
+            words[i].fill_(value)
     ids = out[layout.ids_off: layout.ids_off + rows * k * 4].view(torch.int32).view(rows, k)
     ids[:t].copy_(batch.topk_ids)
     ids[t:].fill_(-1)
@@ -138,15 +187,7 @@ class Gathered:
     x: torch.Tensor  # [R, *tail] payload dtype
     x_scales: Optional[torch.Tensor]  # [R, S]
     rows: list[int]
-    headers: torch.Tensor  # [world, HEADER_INTS] int32
-
-    @property
-    def offsets(self) -> list[int]:
-        out, acc = [], 0
-        for n in self.rows:
-            out.append(acc)
-            acc += n
-        return out
+    headers: torch.Tensor  # [world, HEADER_INTS] int32 (meaningful only when device_checks)
 
 
 def unpack(buffers: Sequence[torch.Tensor], layouts: Sequence[PackLayout]) -> Gathered:
@@ -226,8 +267,8 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     onehot.scatter_(0, expert_of_pair, valid_pairs.to(torch.int32).unsqueeze(0))
     running = torch.cumsum(onehot, dim=1)  # [L, R*k]
     slot = torch.gather(running, 0, expert_of_pair).squeeze(0) - 1
-    # pairs that go nowhere land in a per-row trash row: one shared dummy row would serialise the
-    # device on thousands of writes to the same address (measured: 30 ms at 4096 tokens on H200)
+    # pairs that go nowhere land in a per-row trash row, so index_copy_ never sees duplicate indices
+    # (whose result torch leaves unspecified)
     dummy = L * cap
     trash = dummy + torch.arange(r, device=g.ids.device).repeat_interleave(k)
     dest = torch.where(valid_pairs, pair_expert * cap + slot, trash).to(torch.int64)
@@ -258,46 +299,50 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     )
 
 
-def combine_partial(ctx: BackendContext, expert_out: torch.Tensor, handle: GatherHandle) -> torch.Tensor:
-    """float32 ``[R, hidden]``: this rank's contribution to every gathered token (padding masked)."""
+def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+    """Write this rank's float32 contribution to every gathered token into ``out`` (padding masked).
+
+    ``out`` is ``[R, hidden]`` or ``[world, R / world, hidden]`` (a strided view of a reduction buffer
+    with header rows between the chunks); the gathered rows are laid over its leading dims.
+    """
+    lead = tuple(out.shape[:-1])
+    hidden = expert_out.shape[-1]
+    zero = out.new_zeros(())  # where(out=) takes no Python scalar
     if handle.dest is None:  # standard: rows are already weighted sums over this rank's experts
-        return torch.where(handle.row_valid.unsqueeze(1), expert_out.float(), 0.0)
-    flat = expert_out.reshape(-1, expert_out.shape[-1])
+        torch.where(handle.row_valid.view(*lead, 1), expert_out.float().reshape(*lead, hidden), zero, out=out)
+        return
+    flat = expert_out.reshape(-1, hidden)
     slots = flat.shape[0]
-    r, k = handle.dest.shape
+    k = handle.dest.shape[1]
     valid = handle.dest < slots  # [R, k]
     # one gather of every (row, expert) pair, masked before weighting: padding slots may hold NaN
-    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1)).view(r, k, flat.shape[1])
-    weights = torch.where(valid, handle.local_weights, 0.0).unsqueeze(2)
-    return torch.where(valid.unsqueeze(2), rows.float() * weights, 0.0).sum(dim=1)
+    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1)).view(*lead, k, hidden)
+    weights = torch.where(valid, handle.local_weights, 0.0).view(*lead, k, 1)
+    torch.sum(torch.where(valid.view(*lead, k, 1), rows.float() * weights, zero), dim=-2, out=out)
 
 
-def add_combine_headers(ctx: BackendContext, partial: torch.Tensor, rows: Sequence[int], op: int, epoch: int):
-    """Lay ``partial`` out as one chunk per destination rank, each followed by a header row.
+def reduce_buffer(ctx: BackendContext, rows: Sequence[int], hidden: int, epoch: int):
+    """The float32 buffer combine reduces: one chunk of ``rows[d]`` rows per destination rank.
 
-    The header row of every chunk carries, in column ``src``, the sender's (op, epoch) code; after the
-    reduction the receiver finds every peer's code in its chunk.  Returns ``(buffer, chunk_rows)``.
+    Returns ``(buffer, chunk_rows, partial_view, has_header)``.  With ``device_checks`` every chunk is
+    followed by a header row carrying, in column ``src``, the sender's (op, epoch) code; after the
+    reduction the receiver finds every peer's code in its chunk.  Chunks are equal then (sizes are
+    padded to max_tokens_per_rank while capturing), so the partial sums land in one strided view.
     """
-    world, hidden = ctx.world_size, partial.shape[1]
-    with_header = hidden >= world
-    extra = 1 if with_header else 0
-    chunks = []
-    start = 0
-    for n in rows:
-        chunks.append(partial[start: start + n])
-        if with_header:
-            hdr = torch.zeros(1, hidden, dtype=torch.float32, device=partial.device)
-            # fill_ on a view: item assignment would copy from a host scalar, illegal while capturing
-            hdr[:, ctx.rank].fill_(float(epoch_code(op, epoch)))
-            chunks.append(hdr)
-        start += n
-    return torch.cat(chunks), [n + extra for n in rows]
+    world, device = ctx.world_size, ctx.device
+    if not device_checks(ctx) or hidden < world or len(set(rows)) != 1:
+        buf = torch.empty(sum(rows), hidden, dtype=torch.float32, device=device)
+        return buf, list(rows), buf, False
+    n = rows[0]
+    buf = torch.empty(world, n + 1, hidden, dtype=torch.float32, device=device)
+    header = buf[:, n]
+    header.zero_()
+    header[:, ctx.rank].fill_(float(epoch_code(OP_COMBINE, epoch)))  # fill_: no host scalar copy
+    return buf.view(world * (n + 1), hidden), [n + 1] * world, buf[:, :n], True
 
 
-def check_combine_header(ctx: BackendContext, chunk: torch.Tensor, op: int, epoch: int) -> torch.Tensor:
+def check_combine_header(ctx: BackendContext, chunk: torch.Tensor, epoch: int) -> torch.Tensor:
     """Strip the header row from this rank's reduced chunk, counting mismatching peers on the device."""
-    if chunk.shape[1] < ctx.world_size:
-        return chunk
     hdr = chunk[-1, : ctx.world_size]
-    ctx.error_flags[FLAG_EPOCH_MISMATCH] += (hdr != float(epoch_code(op, epoch))).sum()
+    ctx.error_flags[FLAG_EPOCH_MISMATCH] += (hdr != float(epoch_code(OP_COMBINE, epoch))).sum()
     return chunk[:-1]

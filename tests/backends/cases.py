@@ -135,3 +135,47 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
                     problems.append(f"unexpected check_errors message: {exc}")
         results[key] = problems
     return results
+
+
+# -- the device-side (op, epoch) headers, forced on outside a CUDA graph -----------------------------------
+def device_headers(backend: str) -> dict:
+    """Run with the graph-mode headers switched on (they are normally only used while capturing):
+    clean calls match the oracle and raise nothing; a peer whose data carries another epoch is counted
+    and reported by ``check_errors``.  The backend is driven directly so the host control plane, which
+    would catch the mismatch first, stays out of the way."""
+    from ep_comm.backends import RoutedBatch, gathered
+    from ep_comm.routing import sanitize_routing
+
+    gathered.device_checks = lambda ctx: True
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    out: dict[str, list[str]] = {}
+    for layout in ("standard", "batched"):
+        cfg = make_cfg(world, backend, layout, None)
+        with ep_comm.Communicator(cfg) as comm:
+            out[f"{layout}/clean"] = run_case(comm, cfg, world, rank, 77, "bf16+scales",
+                                              dict(tokens=[cfg.max_tokens_per_rank] * world))
+            try:
+                comm.check_errors()
+            except ep_comm.EPError as exc:
+                out[f"{layout}/clean"].append(f"clean run flagged: {exc}")
+            inp = oracle.random_inputs(cfg, world, 78)[rank]
+            ids, w, _ = sanitize_routing(inp.topk_ids, inp.topk_weights, cfg.num_experts)
+            epoch = 40 + (rank == 1)  # rank 1 is one call ahead
+            d = comm._impl.dispatch(RoutedBatch(inp.x, None, ids, w, epoch, None))
+            problems = []
+            try:
+                comm.check_errors()
+                problems.append("dispatch epoch mismatch not reported")
+            except ep_comm.EPError as exc:
+                if "another call's epoch" not in str(exc):
+                    problems.append(f"unexpected: {exc}")
+            comm._impl.combine(oracle.run_experts(cfg, rank, world, d), d, torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype))
+            try:
+                comm.check_errors()
+                problems.append("combine epoch mismatch not reported")
+            except ep_comm.EPError as exc:
+                if "another call's epoch" not in str(exc):
+                    problems.append(f"unexpected: {exc}")
+            out[f"{layout}/mismatch"] = problems
+    return out

@@ -31,3 +31,14 @@ def test_matches_oracle(world, case):
     results = matrix(world)
     assert case in results, f"case {case} did not run (ran: {sorted(results)[:4]}...)"
     assert results[case] == [], "\n".join(results[case])
+
+
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_device_epoch_headers_on_cpu(backend):
+    """The CUDA-graph safety net (headers checked on the device), exercised with gloo."""
+    per_rank = raise_on_failure(spawn_local(cases.device_headers, 2, (backend,), timeout_s=120,
+                                            extra_env=lambda r: {"CUDA_VISIBLE_DEVICES": ""}))
+    for rank, res in enumerate(per_rank):
+        assert set(res) == {"standard/clean", "standard/mismatch", "batched/clean", "batched/mismatch"}
+        for key, problems in res.items():
+            assert problems == [], f"rank {rank} {key}: {problems}"
