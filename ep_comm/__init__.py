@@ -16,13 +16,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "Dispatched", "EPConfig", "EPConfigError", "EPError", "EPInputError", "EPTimeoutError",
-    "EPTopologyError", "Topology", "init_distributed", "routing", "available_backends",
+    "EPTopologyError", "Topology", "init_distributed", "routing",
 ]
 
 
 def __getattr__(name):
     # Communicator pulls in the backends; keep ``import ep_comm.distributed`` etc. light.
-    if name in ("Communicator", "available_backends"):
+    if name == "Communicator":
         from . import communicator
 
         return getattr(communicator, name)

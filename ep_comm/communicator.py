@@ -24,18 +24,6 @@ def _group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def available_backends(ctx: Optional[_backends.BackendContext] = None) -> dict[str, str]:
-    """``{name: ""}`` for usable backends and ``{name: reason}`` for the others (local view)."""
-    out: dict[str, str] = {}
-    for name, cls in _backends.registered().items():
-        out[name] = "" if ctx is None else cls.availability(ctx).reason
-        if ctx is not None and not cls.availability(ctx).ok and not out[name]:
-            out[name] = "unavailable"
-    for name, why in _backends.NOT_BUILT.items():
-        out[name] = why
-    return out
-
-
 class Communicator:
     """Expert-parallel dispatch/combine over a process group.  Creating one is collective.
 
@@ -71,12 +59,7 @@ class Communicator:
     # -- backend choice ------------------------------------------------------------------------------
     def _choose_backend(self, requested: str) -> str:
         """Every rank reports what it can run; all ranks pick the same backend or all raise."""
-        local = {}
-        for name, cls in _backends.registered().items():
-            a = cls.availability(self._ctx)
-            local[name] = "" if a.ok else (a.reason or "unavailable")
-        for name, why in _backends.NOT_BUILT.items():
-            local[name] = why
+        local = _backends.local_availability(self._ctx)
         everyone = self.control.gather_objects(local)
 
         def blocker(name: str) -> str:

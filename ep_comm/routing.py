@@ -16,30 +16,15 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """NaN-safe ``torch.topk`` over the last dimension.
 
     Rows without NaN give exactly what ``torch.topk(logits, k)`` gives.  NaN entries rank below every
-    number (they become ``-inf``), so a row of NaNs still yields ``k`` distinct ids and no downstream
-    kernel sees a duplicate.  Returns ``(values, ids)``; ``ids`` is int64 like ``torch.topk``.
+    number (they become ``-inf``); ``torch.topk`` returns ``k`` distinct positions whatever the values,
+    so a row of NaNs still yields ``k`` distinct ids and no downstream kernel sees a duplicate.
+    Returns ``(values, ids)``; ``ids`` is int64 like ``torch.topk``.
     """
     if k > logits.shape[-1]:
         raise EPInputError(f"topk: k={k} exceeds the number of experts {logits.shape[-1]}")
     if logits.is_floating_point():
-        has_nan = torch.isnan(logits)
-        cleaned = torch.where(has_nan, torch.full_like(logits, float("-inf")), logits)
-        values, ids = torch.topk(cleaned, k, dim=-1)
-        # rows of equal values (all -inf) make torch.topk's choice unspecified; make it deterministic
-        # and distinct by ranking ties by index.
-        row_nan = has_nan.any(dim=-1, keepdim=True)
-        if logits.numel():
-            fallback_ids = _distinct_topk_by_index(cleaned, k)
-            ids = torch.where(row_nan, fallback_ids, ids)
-            values = torch.where(row_nan, torch.gather(cleaned, -1, ids), values)
-        return values, ids
+        logits = logits.masked_fill(torch.isnan(logits), float("-inf"))
     return torch.topk(logits, k, dim=-1)
-
-
-def _distinct_topk_by_index(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k with ties broken by lower index (stable sort), always k distinct positions."""
-    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
-    return order[..., :k]
 
 
 def invalid_id_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -81,3 +81,14 @@ def test_check_ids_names_token_and_id():
     with pytest.raises(EPInputError, match=r"topk_ids\[0, 0\] = -5"):
         routing.check_ids(torch.tensor([[-5, 1]]), 16)
     routing.check_ids(torch.tensor([[-1, 15]]), 16)
+
+
+@pytest.mark.gpu
+def test_topk_nan_rows_distinct_on_gpu():
+    logits = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    logits[::3] = float("nan")  # whole rows of NaN: every candidate ties at -inf
+    _, ids = routing.topk(logits, 8)
+    for row in ids.cpu():
+        assert len(set(row.tolist())) == 8
+    clean = ~torch.isnan(logits).any(dim=1)
+    assert torch.equal(ids[clean], torch.topk(logits[clean], 8).indices)

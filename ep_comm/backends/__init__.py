@@ -25,6 +25,23 @@ def register(cls: Type) -> Type:
     return cls
 
 
+def local_availability(ctx: BackendContext) -> dict[str, str]:
+    """``{name: ""}`` for each backend this rank can run, ``{name: reason}`` for the others.
+
+    Local and side-effect free; a probe that raises becomes a reason, so no rank ever leaves a
+    collective agreement early because of it.
+    """
+    out: dict[str, str] = {}
+    for name, cls in _REGISTRY.items():
+        try:
+            a = cls.availability(ctx)
+            out[name] = "" if a.ok else (a.reason or "unavailable (no reason given)")
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"availability probe raised {type(exc).__name__}: {exc}"
+    out.update(NOT_BUILT)
+    return out
+
+
 def get_backend(name: str) -> Type:
     return _REGISTRY[name]
 
@@ -37,4 +54,4 @@ register(NaiveBackend)
 register(AllGatherReduceScatterBackend)
 
 __all__ = ["Availability", "Backend", "BackendContext", "RoutedBatch", "register", "get_backend", "registered",
-           "AUTO_ORDER", "NOT_BUILT"]
+           "local_availability", "AUTO_ORDER", "NOT_BUILT"]

@@ -111,7 +111,7 @@ def _memory_report(env: RankEnv) -> str:
 
 def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, str]:
     """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``; collective (control plane)."""
-    from ..backends import NOT_BUILT, BackendContext, registered
+    from ..backends import BackendContext, local_availability
     from ..backends.base import NUM_FLAGS
     from ..distributed.control import ControlPlane
 
@@ -124,16 +124,7 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, 
         topo = control.topology(env.device.index if env.device.type == "cuda" else None)
         ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
                              device=env.device, error_flags=torch.zeros(NUM_FLAGS, dtype=torch.int64, device=env.device))
-        out: dict[str, str] = {}
-        for name, cls in registered().items():
-            try:
-                a = cls.availability(ctx)
-                out[name] = "" if a.ok else (a.reason or "unavailable (no reason given)")
-            except Exception as exc:  # noqa: BLE001 - a crashing probe is a reason, not a crash of `info`
-                out[name] = f"availability probe raised {type(exc).__name__}: {exc}"
-        for name, why in NOT_BUILT.items():
-            out[name] = why
-        return out
+        return local_availability(ctx)
     finally:
         control.close()
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EPError, EPInputError, EPTimeoutError
+from .exchange import allgather_bytes_via
 from .topology import Topology, local_host_id
 
 OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close"}
@@ -119,13 +120,17 @@ class ControlPlane:
             )
         return peers
 
+    # The control plane is also an ``Exchange`` (rank, size, allgather_bytes, barrier), so layers
+    # below the communicator (e.g. the memory layer) can reuse it instead of opening another group.
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        return allgather_bytes_via(self._allgather, data)
+
+    def barrier(self) -> None:
+        self._pg.barrier().wait()
+
     def gather_objects(self, obj) -> list:
-        """All-gather picklable objects (lengths first, then padded bytes)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        lengths = [int(n) for n in self._allgather(torch.tensor([data.numel()], dtype=torch.int64))]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8)
-        padded[: data.numel()] = data
-        return [pickle.loads(buf[:n].numpy().tobytes()) for buf, n in zip(self._allgather(padded), lengths)]
+        """All-gather picklable objects."""
+        return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj))]
 
     # -- error paths ---------------------------------------------------------------------------------
     def _record_arrival(self, op: int, epoch: int) -> None:

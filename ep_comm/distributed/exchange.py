@@ -8,11 +8,11 @@ caller has (None, a torch ProcessGroup, an mpi4py communicator, an Exchange) int
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..errors import EPConfigError, EPError
 
-__all__ = ["Exchange", "TorchExchange", "MPIExchange", "LocalExchange", "exchange_from"]
+__all__ = ["Exchange", "TorchExchange", "MPIExchange", "LocalExchange", "exchange_from", "allgather_bytes_via"]
 
 
 @runtime_checkable
@@ -32,6 +32,25 @@ class Exchange(Protocol):
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         ...
+
+
+def allgather_bytes_via(allgather: Callable[[Any], list], data: bytes) -> list[bytes]:
+    """Variable-length byte all-gather on top of an equal-size CPU tensor all-gather.
+
+    ``allgather(t)`` returns every rank's copy of ``t`` (index = rank).  Lengths travel first, then
+    buffers padded to the longest; every rank sees the same lengths, so all skip the second step alike.
+    """
+    import torch
+
+    payload = bytearray(data)
+    sizes = [int(t.item()) for t in allgather(torch.tensor([len(payload)], dtype=torch.int64))]
+    longest = max(sizes)
+    if longest == 0:
+        return [b"" for _ in sizes]
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(payload, dtype=torch.uint8)
+    return [out[:n].numpy().tobytes() for out, n in zip(allgather(buf), sizes)]
 
 
 class LocalExchange:
@@ -112,23 +131,13 @@ class TorchExchange:
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """All-gather one byte string per rank (lengths may differ)."""
-        import torch
 
-        dist = self._dist
-        payload = bytearray(data)
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(lengths, length, group=self._cpu_group)
-        sizes = [int(t.item()) for t in lengths]
-        longest = max(sizes)
-        if longest == 0:  # every rank sees the same sizes, so all skip the second collective
-            return [b"" for _ in sizes]
-        buf = torch.zeros(longest, dtype=torch.uint8)
-        if payload:
-            buf[: len(payload)] = torch.frombuffer(payload, dtype=torch.uint8)
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
-        dist.all_gather(outs, buf, group=self._cpu_group)
-        return [outs[i][: sizes[i]].numpy().tobytes() for i in range(self.size)]
+        def gather(t):
+            outs = [t.new_empty(t.shape) for _ in range(self.size)]
+            self._dist.all_gather(outs, t, group=self._cpu_group)
+            return outs
+
+        return allgather_bytes_via(gather, data)
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._cpu_group)

@@ -165,3 +165,29 @@ def test_mpi_exchange_two_ranks_under_mpiexec() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 of 2 ok" in proc.stdout and "rank 1 of 2 ok" in proc.stdout
+
+
+def _control_plane_exchange_worker():
+    from ep_comm.distributed import init_distributed
+    from ep_comm.distributed.control import ControlPlane
+    from ep_comm.distributed.exchange import Exchange
+
+    topo = init_distributed()
+    cp = ControlPlane(None, 30.0)
+    try:
+        is_exchange = isinstance(cp, Exchange)
+        got = cp.allgather_bytes(bytes([topo.rank]) * (3 * topo.rank))  # rank 0 sends b""
+        cp.barrier()
+        objs = cp.gather_objects({"rank": topo.rank})
+        return is_exchange, got, objs
+    finally:
+        cp.close()
+
+
+def test_control_plane_is_an_exchange():
+    res = raise_on_failure(spawn_local(_control_plane_exchange_worker, 3, timeout_s=120,
+                                       extra_env=lambda r: {"CUDA_VISIBLE_DEVICES": ""}))
+    for is_exchange, got, objs in res:
+        assert is_exchange
+        assert got == [b"", b"\x01" * 3, b"\x02" * 6]
+        assert objs == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
