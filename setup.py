@@ -28,13 +28,28 @@ def _extensions():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    _default_arch_list()
     ext = CUDAExtension(
         name="ep_comm._C",
         sources=sources,
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        # no --use_fast_math: the fused fp8 quantisation must match ep_comm.quant bit for bit
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-lineinfo", "-std=c++17"]},
     )
-    return [ext], {"build_ext": BuildExtension}
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+def _default_arch_list() -> None:
+    """Without TORCH_CUDA_ARCH_LIST torch builds for the GPUs it sees; with none visible (a build
+    host), build Hopper, plus Blackwell where this nvcc knows it, instead of every architecture."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    major, minor = (int(v) for v in torch.version.cuda.split(".")[:2])
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0;10.0" if (major, minor) >= (12, 8) else "9.0"
 
 
 ext_modules, cmdclass = _extensions()

@@ -31,7 +31,11 @@ class Communicator:
     ``capacity`` (= max_tokens_per_rank × world_size, rows per expert in the batched layout).
     """
 
-    def __init__(self, cfg: EPConfig, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, cfg: EPConfig, group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None):
+        """``device``: where tensors live; default the current CUDA device on an NCCL group, else the
+        CPU.  A CUDA device on a gloo group lets the kernel backends run with a CPU-only bootstrap
+        (e.g. several ranks sharing one GPU)."""
         if not isinstance(cfg, EPConfig):
             raise EPConfigError("cfg", type(cfg).__name__, "must be an ep_comm.EPConfig")
         if not dist.is_initialized():
@@ -43,7 +47,9 @@ class Communicator:
         cfg.check_world(self.world_size)
         self.num_local_experts = cfg.num_experts // self.world_size
         self.capacity = cfg.capacity(self.world_size)
-        self.device = _group_device(group)
+        self.device = _group_device(group) if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.control = ControlPlane(group, cfg.timeout_s)
         self.topology = self.control.topology(self.device.index)
         self._error_flags = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=self.device)
@@ -53,6 +59,8 @@ class Communicator:
         )
         self.backend = self._choose_backend(cfg.resolved_backend_request())
         self._impl = _backends.get_backend(self.backend).create(self._ctx)
+        self._kernel = bool(getattr(self._impl, "kernel", False))
+        self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._closed = False
 
@@ -84,6 +92,7 @@ class Communicator:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         x_scales: Optional[torch.Tensor] = None,
+        return_recv_hook: bool = False,
     ) -> Dispatched:
         """Send each token to the ranks owning its experts.
 
@@ -93,10 +102,14 @@ class Communicator:
             topk_ids: ``[T, top_k]`` int32/int64 global expert ids; -1 means no expert.
             topk_weights: ``[T, top_k]`` float32.
             x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``).
+            return_recv_hook: split send and receive for overlap; no backend of this build has it yet.
         Returns:
             ``Dispatched`` in the configured layout (see ``ep_comm.layouts``).
         """
         self._check_open()
+        _no_hooks(return_recv_hook)
+        if self._kernel:
+            return self._dispatch_kernel(x, topk_ids, topk_weights, x_scales)
         capturing = self._capturing()
         error: Optional[BaseException] = None
         try:
@@ -127,7 +140,8 @@ class Communicator:
         self._epoch += 1
         return out
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None,
+                return_recv_hook: bool = False) -> torch.Tensor:
         """Bring expert outputs back to the tokens' ranks and reduce them (float32 accumulation).
 
         Args:
@@ -135,10 +149,14 @@ class Communicator:
                 ``[N, hidden]`` rows already weighted and summed over this rank's experts.
             dispatched: what ``dispatch`` returned on this rank for the same call.
             out: optional ``[T, hidden]`` tensor of ``cfg.dtype`` to write into.
+            return_recv_hook: split send and receive for overlap; no backend of this build has it yet.
         Returns:
             ``[T, hidden]`` of ``cfg.dtype``; tokens with no valid expert get zeros.
         """
         self._check_open()
+        _no_hooks(return_recv_hook)
+        if self._kernel:
+            return self._combine_kernel(expert_out, dispatched, out)
         capturing = self._capturing()
         error: Optional[BaseException] = None
         try:
@@ -158,10 +176,14 @@ class Communicator:
         return self._impl.combine(expert_out, dispatched, out)
 
     def check_errors(self) -> None:
-        """Raise for problems counted on the device without a host sync (CUDA-graph replays).
+        """Raise for problems counted on the device without a host sync (CUDA-graph replays, and every
+        call of a kernel backend: timeouts, peers on another call, peers' invalid input).
 
-        Synchronises the device.  Resets the counters.
+        Synchronises the device.  Resets the counters (a timeout or a mismatch stays: the communicator
+        cannot be used after it).
         """
+        if self._kernel:
+            self._impl.check_errors()
         flags = self._error_flags.tolist()
         self._error_flags.zero_()
         if flags[FLAG_EPOCH_MISMATCH]:
@@ -194,6 +216,51 @@ class Communicator:
         return (f"Communicator(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size}, "
                 f"layout={self.cfg.layout!r}, num_local_experts={self.num_local_experts})")
 
+    # -- kernel backends: no host agreement, errors travel through the device --------------------------
+    def _dispatch_kernel(self, x, topk_ids, topk_weights, x_scales) -> Dispatched:
+        host_checks = not self._capturing() and not torch.compiler.is_compiling()
+        if host_checks:
+            self._impl.poll_errors()
+        try:
+            validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
+            self._impl.check_inputs(x, x_scales)
+            if host_checks and self.cfg.validate_ids and not self._impl.check_ids(topk_ids):
+                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the peers must not wait for us
+            self._abandon_call(exc)
+            if isinstance(exc, EPError):
+                raise
+            raise EPInputError(f"invalid dispatch input: {exc!r}") from exc
+        out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch)
+        out.owner = self
+        self._epoch += 1
+        return out
+
+    def _combine_kernel(self, expert_out, dispatched, out) -> torch.Tensor:
+        host_checks = not self._capturing() and not torch.compiler.is_compiling()
+        if host_checks:
+            self._impl.poll_errors()
+        try:
+            if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
+                raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
+            validate_combine(self.cfg, self.device, expert_out, dispatched, out)
+        except Exception as exc:  # noqa: BLE001
+            self._abandon_call(exc)
+            if isinstance(exc, EPError):
+                raise
+            raise EPInputError(f"invalid combine input: {exc!r}") from exc
+        if out is None:
+            out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        return self._impl.combine(expert_out, dispatched, out)
+
+    def _abandon_call(self, reason: BaseException) -> None:
+        """Tell the peers this rank gives up its current call (they raise instead of timing out)."""
+        if not self._capturing():
+            try:
+                self._impl.abort(reason)
+            except Exception:  # the caller's error is the one to report
+                pass
+
     # -- helpers -------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -201,3 +268,9 @@ class Communicator:
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _no_hooks(requested: bool) -> None:
+    if requested:
+        raise EPConfigError("return_recv_hook", True, "no backend of this build splits send and receive yet "
+                            "(planned for the kernel backends mnnvl and nvshmem)")

@@ -38,6 +38,11 @@ class EPConfig:
 
     Rank ``r`` owns global experts ``[r*L, (r+1)*L)`` with ``L = num_experts // world_size``.
     ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
+    ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS`` or 24.
+    ``validate_ids``: eager kernel-backend calls check expert ids on the host first (one device→host
+    sync per dispatch) and raise ``EPInputError`` before anything moves; False skips that sync, the
+    kernel then treats out-of-range ids as -1, counts them and the next call or ``check_errors()``
+    raises.  The collective backends always validate in eager mode.
     """
 
     num_experts: int
@@ -49,6 +54,8 @@ class EPConfig:
     backend: str = "auto"
     quant: Optional[str] = None
     timeout_s: float = 100.0
+    num_sms: Optional[int] = None
+    validate_ids: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -70,6 +77,11 @@ class EPConfig:
             raise EPConfigError("hidden", self.hidden, f"quant='fp8' needs hidden % {FP8_BLOCK} == 0")
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise EPConfigError("timeout_s", self.timeout_s, "must be a positive finite number of seconds")
+        if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int)
+                                         or self.num_sms <= 0):
+            raise EPConfigError("num_sms", self.num_sms, "must be None or a positive int")
+        if not isinstance(self.validate_ids, bool):
+            raise EPConfigError("validate_ids", self.validate_ids, "must be True or False")
 
     def check_world(self, world_size: int) -> None:
         """Raise EPConfigError unless the experts split evenly over ``world_size`` ranks."""

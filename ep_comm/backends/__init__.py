@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Type
 
 from .ag_rs import AllGatherReduceScatterBackend
-from .base import Availability, Backend, BackendContext, RoutedBatch
+from .base import Availability, Backend, BackendContext, KernelBackend, RoutedBatch
+from .mnnvl import MnnvlBackend
 from .naive import NaiveBackend
 
 _REGISTRY: dict[str, Type] = {}
@@ -14,7 +15,6 @@ AUTO_ORDER = ("mnnvl", "nvshmem", "ag_rs")
 
 #: backends of the contract that are not part of this build yet, with the reason shown to users
 NOT_BUILT = {
-    "mnnvl": "not implemented yet (one-sided NVLink over cuMem VMM; memory layer in ep_comm.memory)",
     "nvshmem": "not implemented yet (NVSHMEM low-latency backend)",
 }
 
@@ -52,6 +52,7 @@ def registered() -> dict[str, Type]:
 
 register(NaiveBackend)
 register(AllGatherReduceScatterBackend)
+register(MnnvlBackend)
 
-__all__ = ["Availability", "Backend", "BackendContext", "RoutedBatch", "register", "get_backend", "registered",
+__all__ = ["Availability", "Backend", "BackendContext", "KernelBackend", "RoutedBatch", "register", "get_backend", "registered",
            "local_availability", "AUTO_ORDER", "NOT_BUILT"]

@@ -1,7 +1,11 @@
-"""The backend protocol: the whole contract between ``Communicator`` and a transport.
+"""The backend protocols: the whole contract between ``Communicator`` and a transport.
 
-A backend receives already-validated, already-sanitised inputs (``RoutedBatch``) and returns a
-``Dispatched`` in the layout the config asks for; ``combine`` gets a validated ``expert_out``.
+A collective backend (``Backend``) receives already-validated, already-sanitised inputs
+(``RoutedBatch``) after the host control plane agreed on the call, and returns a ``Dispatched`` in the
+layout the config asks for; ``combine`` gets a validated ``expert_out``.  A kernel backend
+(``KernelBackend``, ``kernel = True``) gets the caller's raw tensors after the generic checks: it
+merges duplicates, drops invalid ids and quantises inside its kernels, makes no host round trip to
+peers, and reports peers' problems through a device error record (``poll_errors``/``check_errors``).
 Availability is a local, side-effect-free check; the communicator agrees on it across ranks.
 """
 from __future__ import annotations
@@ -92,5 +96,40 @@ class Backend(Protocol):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
         """Write ``[T, hidden]`` into ``out`` (cfg.dtype) and return it."""
+
+    def close(self) -> None: ...
+
+
+class KernelBackend(Protocol):
+    name: ClassVar[str]
+    graph_capturable: ClassVar[bool]
+    kernel: ClassVar[bool]  # True
+    num_sms: int
+
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability: ...
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> "KernelBackend": ...
+
+    def check_inputs(self, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> None:
+        """Backend-specific limits beyond the generic validation (raise ``EPInputError``)."""
+
+    def check_ids(self, topk_ids: torch.Tensor) -> bool:
+        """True when every id is in [-1, num_experts); may synchronise once (eager validation)."""
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched: ...
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor: ...
+
+    def abort(self, reason: BaseException) -> None:
+        """End the peers' current call with an error naming this rank (this rank's input was bad)."""
+
+    def poll_errors(self) -> None:
+        """Raise what the device recorded, synchronising only when something was recorded."""
+
+    def check_errors(self) -> None:
+        """Synchronise and raise whatever the device recorded."""
 
     def close(self) -> None: ...

@@ -68,7 +68,18 @@ def call(name: str, *args: Any, detail: str = "") -> Any:
 
 
 def init() -> None:
-    call("cuInit", 0)
+    """cuInit; a machine without the NVIDIA driver library (libcuda) gets ``CudaDriverError`` too.
+
+    cuda-bindings >= 13 loads libcuda on first use and raises its own exception type when it is
+    missing (a CPU-only machine with cuda-bindings installed): report that like any driver failure.
+    """
+    try:
+        call("cuInit", 0)
+    except CudaDriverError:
+        raise
+    except Exception as exc:  # e.g. cuda.pathfinder's DynamicLibNotFoundError
+        raise CudaDriverError("cuInit", "CUDA_DRIVER_NOT_FOUND", -1,
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
 @contextlib.contextmanager

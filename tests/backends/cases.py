@@ -7,6 +7,7 @@ can report every failing case at once.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Optional
 
 import torch
@@ -16,6 +17,24 @@ from ep_comm import oracle
 
 HIDDEN = 256
 EXPERTS_PER_RANK = 3
+
+
+SHARED_GPU_ENV = "EP_COMM_TEST_SHARED_GPU"
+
+
+def init_rank():
+    """``(topology, device)`` of a test rank.  Normally one GPU per rank (NCCL) or CPU (gloo), device
+    None (the communicator's default).  With ``$EP_COMM_TEST_SHARED_GPU=1`` every rank bootstraps over
+    gloo and uses cuda:0: the kernel backends then run at world 2 on a one-GPU machine."""
+    if os.environ.get(SHARED_GPU_ENV) == "1":
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        torch.cuda.set_device(0)
+        return ep_comm.init_distributed(), torch.device("cuda", 0)
+    return ep_comm.init_distributed(), None
 
 
 def make_cfg(world: int, backend: str, layout: str, quant: Optional[str], max_tokens: int = 16, **kw) -> ep_comm.EPConfig:
@@ -57,14 +76,14 @@ def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: di
 
 
 def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"), repeats: int = 1) -> dict:
-    topo = ep_comm.init_distributed()
+    topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
     seed = 1000
     for backend, layout, payload in itertools.product(backends, layouts, PAYLOADS):
         quant = PAYLOADS[payload][0]
         cfg = make_cfg(world, backend, layout, quant)
-        with ep_comm.Communicator(cfg) as comm:
+        with ep_comm.Communicator(cfg, device=device) as comm:
             if comm.backend != backend:
                 results[f"{backend}/{layout}/{payload}"] = [f"resolved backend {comm.backend}"]
                 continue
@@ -94,7 +113,7 @@ def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
 
 
 def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3) -> dict:
-    topo = ep_comm.init_distributed()
+    topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
     for backend, layout, quant in itertools.product(backends, layouts, (None, "fp8")):
@@ -102,7 +121,7 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
         key = f"{backend}/{layout}/{quant or 'bf16'}"
         problems: list[str] = []
         tokens = [cfg.max_tokens_per_rank - r for r in range(world)]  # fixed T per rank, differing
-        with ep_comm.Communicator(cfg) as comm:
+        with ep_comm.Communicator(cfg, device=device) as comm:
             first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
             x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
             # eager warm-up initialises NCCL communicators outside the capture

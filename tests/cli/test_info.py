@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from ep_comm.backends import NOT_BUILT, registered
 from ep_comm.cli.main import main
 
@@ -24,7 +26,10 @@ def test_info_report(cli, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["world_size"] == 2 and len(doc["ranks"]) == 2
     assert set(doc["backends"]) >= set(registered()) | set(NOT_BUILT)
-    assert all(doc["backends"][n]["usable"] for n in registered())
+    assert doc["backends"]["naive"]["usable"] and doc["backends"]["ag_rs"]["usable"]
+    assert all(doc["backends"][n]["usable"] or doc["backends"][n]["reason"] for n in registered())
+    if not torch.cuda.is_available():  # a kernel backend says why it cannot run on CPU ranks
+        assert not doc["backends"]["mnnvl"]["usable"] and "needs CUDA" in doc["backends"]["mnnvl"]["reason"]
     assert all(not doc["backends"][n]["usable"] and doc["backends"][n]["reason"] for n in NOT_BUILT)
 
 

@@ -1,0 +1,332 @@
+// Device-side building blocks every kernel backend shares: memory-model helpers for one-sided
+// signalling, bounded waits, the error record, vectorised row copies and the fp8 recipe.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/protocol.h"
+
+namespace ep_comm {
+
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Flags live in memory that peers write over NVLink: acquire/release at system scope orders the
+// payload stores before the flag on the sender and the payload loads after it on the receiver.
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_volatile_sys_i32(int32_t* p, int32_t v) {
+  asm volatile("st.volatile.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Received data is read once, right after its flag: bypass L1 so no line cached before the flag
+// can be served.
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
+
+// ---- the error record -------------------------------------------------------------------------
+// ``status`` is device memory (int32, layout in protocol.h); ``pending`` one int32 in host-mapped
+// memory that the host reads without synchronising to learn that ``status`` holds something.
+struct ErrorSink {
+  int32_t* status;
+  int32_t* pending;
+  int world;
+
+  __device__ void count(int slot, int n) const {
+    atomicAdd(status + slot, n);
+    raise_pending();
+  }
+  __device__ void peer(int r, int reason, uint32_t observed, uint32_t expected) const {
+    atomicOr(status + kStatusRankReason + r, reason);
+    atomicExch(status + kStatusRankReason + world + r, static_cast<int32_t>(observed));
+    atomicCAS(status + kStatusExpectedCode, 0, static_cast<int32_t>(expected));
+    raise_pending();
+  }
+  __device__ void raise_pending() const {
+    __threadfence();
+    if (pending != nullptr) {
+      st_volatile_sys_i32(pending, 1);
+      __threadfence_system();
+    }
+  }
+};
+
+// Wait until a peer's flag carries ``expected``.  Returns the flag (code in the low 32 bits) or 0
+// after recording why it gave up: timeout (peer missing), or a code that can only come from a
+// peer on another call.  Stale codes of earlier calls are waited through.
+__device__ __forceinline__ uint64_t wait_flag(const uint64_t* flag, uint32_t expected, int peer,
+                                              uint64_t deadline_ns, const ErrorSink& err) {
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_acquire_sys(flag);
+    const uint32_t code = static_cast<uint32_t>(v);
+    if (code == expected) return v;
+    if (code != 0 && code_seq(code) == code_seq(expected)) {
+      // same call number, other op: an abort is a peer's input error, anything else a mismatch
+      err.peer(peer, code_op(code) == kOpAbort ? kReasonAbort : kReasonMismatch, code, expected);
+      return 0;
+    }
+    if (code != 0 && code_ahead(code, expected)) {
+      err.peer(peer, kReasonMismatch, code, expected);
+      return 0;
+    }
+    if ((++spins & 255u) == 0 && global_timer_ns() > deadline_ns) {
+      err.peer(peer, kReasonTimeout, code, expected);
+      err.count(kStatusTimeouts, 1);
+      return 0;
+    }
+  }
+}
+
+// Arrive at this launch's grid-wide counter (monotonic: every launch adds gridDim.x, so no reset is
+// needed between launches).  Thread 0 releases the block's stores (remote ones included) first, so
+// the last block to arrive may signal peers on everyone's behalf.  With ``wait`` every block also
+// waits for the others; that only gives up (and records it) if the grid was not all resident.
+struct Arrival {
+  bool last;
+  bool ok;
+};
+
+__device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool wait, uint64_t deadline_ns,
+                                               const ErrorSink& err) {
+  __shared__ unsigned long long s_target;
+  __shared__ int s_last, s_ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const unsigned long long old = atomicAdd(counter, 1ull);
+    const unsigned long long g = gridDim.x;
+    s_target = (old / g + 1) * g;
+    s_last = (old + 1 == s_target) ? 1 : 0;
+    s_ok = 1;
+    if (s_last) {
+      __threadfence_system();  // acquire every other block's released stores before signalling
+    } else if (wait) {
+      uint32_t spins = 0;
+      while (ld_acquire_gpu(counter) < s_target) {
+        if ((++spins & 255u) == 0 && global_timer_ns() > deadline_ns) {
+          err.count(kStatusLocalStall, 1);
+          s_ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return Arrival{s_last != 0, s_ok != 0};
+}
+
+// ---- vectorised element access ----------------------------------------------------------------
+template <typename T>
+struct Vec8;  // 8 elements of T, loaded and stored as floats
+
+template <>
+struct Vec8<__nv_bfloat16> {
+  __device__ static void load(const __nv_bfloat16* p, float* f) {
+    const int4 raw = *reinterpret_cast<const int4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static void load_cg(const __nv_bfloat16* p, float* f) {
+    const int4 raw = ld_cg(reinterpret_cast<const int4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static void store(__nv_bfloat16* p, const float* f) {
+    int4 raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<int4*>(p) = raw;
+  }
+};
+
+template <>
+struct Vec8<__half> {
+  __device__ static void load(const __half* p, float* f) {
+    const int4 raw = *reinterpret_cast<const int4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static void load_cg(const __half* p, float* f) {
+    const int4 raw = ld_cg(reinterpret_cast<const int4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static void store(__half* p, const float* f) {
+    int4 raw;
+    __half2* h = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<int4*>(p) = raw;
+  }
+};
+
+template <>
+struct Vec8<float> {
+  __device__ static void load(const float* p, float* f) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+  __device__ static void load_cg(const float* p, float* f) {
+    const int4 a = ld_cg(reinterpret_cast<const int4*>(p));
+    const int4 b = ld_cg(reinterpret_cast<const int4*>(p) + 1);
+    f[0] = __int_as_float(a.x); f[1] = __int_as_float(a.y); f[2] = __int_as_float(a.z); f[3] = __int_as_float(a.w);
+    f[4] = __int_as_float(b.x); f[5] = __int_as_float(b.y); f[6] = __int_as_float(b.z); f[7] = __int_as_float(b.w);
+  }
+  __device__ static void store(float* p, const float* f) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// ---- row copies (one warp) ----------------------------------------------------------------------
+// Copy ``bytes`` from ``src`` to each of ``nd`` destinations: every source chunk is loaded once and
+// stored nd times.  ``cg_src``: the source was written by a peer (read around L1).  Chunk width
+// follows the common alignment of the pointers and the length (16 bytes on every hot path).
+template <bool kCgSrc>
+__device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes,
+                                                int lane) {
+  uintptr_t align = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+  for (int d = 0; d < nd; ++d) align |= reinterpret_cast<uintptr_t>(dst[d]);
+  if ((align & 15) == 0) {
+    const int64_t n = bytes >> 4;
+    const int4* s = reinterpret_cast<const int4*>(src);
+    constexpr int kUnroll = 4;
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = kCgSrc ? ld_cg(s + i + u * kWarpSize) : s[i + u * kWarpSize];
+      for (int d = 0; d < nd; ++d) {
+        int4* o = reinterpret_cast<int4*>(dst[d]);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) o[i + u * kWarpSize] = v[u];
+      }
+    }
+    for (; i < n; i += kWarpSize) {
+      const int4 v = kCgSrc ? ld_cg(s + i) : s[i];
+      for (int d = 0; d < nd; ++d) reinterpret_cast<int4*>(dst[d])[i] = v;
+    }
+  } else if ((align & 3) == 0) {
+    const int64_t n = bytes >> 2;
+    const int32_t* s = reinterpret_cast<const int32_t*>(src);
+    for (int64_t i = lane; i < n; i += kWarpSize) {
+      const int32_t v = kCgSrc ? __ldcg(s + i) : s[i];
+      for (int d = 0; d < nd; ++d) reinterpret_cast<int32_t*>(dst[d])[i] = v;
+    }
+  } else {
+    for (int64_t i = lane; i < bytes; i += kWarpSize) {
+      const uint8_t v = kCgSrc ? static_cast<uint8_t>(__ldcg(reinterpret_cast<const char*>(src) + i)) : src[i];
+      for (int d = 0; d < nd; ++d) dst[d][i] = v;
+    }
+  }
+}
+
+// ---- fp8 e4m3, per token per 128 channels ---------------------------------------------------------
+// Bit-identical to ep_comm.quant.quantize_fp8: scale = max(amax, 1e-4) * fp32(1/448), q = RN(x / scale)
+// clamped to +-448.  Explicit round-to-nearest intrinsics keep fast-math out of the recipe.
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8AmaxFloor = 1e-4f;
+constexpr float kFp8InvMax = 1.0f / 448.0f;
+
+__device__ __forceinline__ uint8_t fp8_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
+// consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
+// to every destination.
+template <typename Tin>
+__device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
+                                                     float* const* dst_s, int nd, int lane) {
+  for (int base = 0; base < hidden; base += 8 * kWarpSize) {
+    const int c0 = base + lane * 8;
+    const bool active = c0 < hidden;
+    float f[8];
+    float amax = 0.f;
+    if (active) {
+      Vec8<Tin>::load(x + c0, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 16));
+    if (!active) continue;
+    const float scale = __fmul_rn(fmaxf(amax, kFp8AmaxFloor), kFp8InvMax);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float q0 = fminf(fmaxf(__fdiv_rn(f[i], scale), -kFp8Max), kFp8Max);
+      const float q1 = fminf(fmaxf(__fdiv_rn(f[i + 4], scale), -kFp8Max), kFp8Max);
+      lo |= static_cast<uint32_t>(fp8_e4m3(q0)) << (8 * i);
+      hi |= static_cast<uint32_t>(fp8_e4m3(q1)) << (8 * i);
+    }
+    const uint2 packed = make_uint2(lo, hi);
+    for (int d = 0; d < nd; ++d) {
+      *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed;
+      if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale;
+    }
+  }
+}
+
+}  // namespace ep_comm

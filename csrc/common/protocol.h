@@ -1,0 +1,94 @@
+// The contract between kernel backends and the Python layer: flag codes, the error record's
+// layout and the static configuration vector.  ep_comm/backends/kernel_protocol.py mirrors it.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EP_HD __host__ __device__ __forceinline__
+#else
+#define EP_HD inline
+#endif
+
+namespace ep_comm {
+
+// A flag word is 64 bits: low 32 = code(seq, op), high 32 = the sender's token count.
+// seq counts this communicator's kernel calls; every rank advances it identically, so a peer whose
+// code carries the same seq but another op, or a later seq, is on another call.
+enum : uint32_t { kOpDispatch = 1, kOpCombine = 2, kOpAbort = 3 };
+constexpr uint32_t kSeqMask = 0x3FFFFFFFu;
+
+EP_HD uint32_t make_code(uint64_t seq, uint32_t op) {
+  return (static_cast<uint32_t>(seq & kSeqMask) << 2) | op;
+}
+EP_HD uint32_t code_seq(uint32_t code) { return code >> 2; }
+EP_HD uint32_t code_op(uint32_t code) { return code & 3u; }
+// ``code`` belongs to a call after ``expected`` (modulo the 30-bit wrap).
+EP_HD bool code_ahead(uint32_t code, uint32_t expected) {
+  const uint32_t d = (code_seq(code) - code_seq(expected)) & kSeqMask;
+  return d != 0 && d < (kSeqMask >> 1);
+}
+
+// int64 counters at the head of the state tensor
+enum : int { kStateSeq = 0, kStateArrive = 1, kStateCounters = 4 };
+
+// int32 error record after the counters (device memory), layout:
+enum : int {
+  kStatusInvalidIds = 0,    // out-of-range expert ids treated as -1 (validation switched off)
+  kStatusTimeouts = 1,      // waits that gave up
+  kStatusOverflow = 2,      // a peer announced more tokens than max_tokens_per_rank
+  kStatusLocalStall = 3,    // this rank's own blocks did not all run (grid not resident)
+  kStatusRowFormat = 4,     // a peer's rows had another payload/scale width than ours
+  kStatusExpectedCode = 5,  // code this rank waited for when the first peer problem was seen
+  kStatusRankReason = 8,    // [world] reason bits per peer, then [world] code seen from that peer
+};
+enum : int { kReasonTimeout = 1, kReasonMismatch = 2, kReasonAbort = 4, kReasonFormat = 8 };
+
+EP_HD int status_words(int world) { return kStatusRankReason + 2 * world; }
+
+// Static configuration, one int64 vector per communicator (ep_comm.backends.kernel_protocol).
+enum : int {
+  kCfgRank = 0,
+  kCfgWorld,
+  kCfgMaxTokens,
+  kCfgNumExperts,
+  kCfgNumLocal,
+  kCfgTopK,
+  kCfgHidden,
+  kCfgBatched,
+  kCfgNumBlocks,
+  kCfgRowStride,      // bytes per dispatch row: meta | payload | scales
+  kCfgPayloadOffset,  // = meta bytes
+  kCfgScaleOffset,
+  kCfgPayloadMax,
+  kCfgScaleMax,
+  kCfgFlagsOffset,
+  kCfgDispatchOffset0,
+  kCfgDispatchOffset1,
+  kCfgCombineOffset0,
+  kCfgCombineOffset1,
+  kCfgCombineStride,
+  kCfgTimeoutNs,
+  kCfgPendingPtr,    // host-mapped int32 the device sets when the error record changes
+  kCfgCountInvalid,  // 1: count out-of-range ids (host validation off), 0: host checked them
+  kCfgQuantFp8,
+  kCfgOutDtype,      // dtype code of EPConfig.dtype (combine's transport and output)
+  kCfgThreads,
+  kCfgLen
+};
+
+// dtype codes shared with Python
+enum : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
+
+// Row meta of a dispatch row: 16-byte header, then int32 local ids [k] and float weights [k].
+struct RowHeader {
+  uint32_t code;
+  int32_t payload_bytes;
+  int32_t scale_bytes;
+  int32_t token;
+};
+EP_HD int row_meta_bytes(int top_k) { return (static_cast<int>(sizeof(RowHeader)) + 8 * top_k + 15) / 16 * 16; }
+
+constexpr int kMaxTopK = 32;
+
+}  // namespace ep_comm

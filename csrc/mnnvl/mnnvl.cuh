@@ -1,0 +1,88 @@
+// mnnvl: one-sided NVLink dispatch/combine through peer buffers mapped by ep_comm.memory.
+//
+// Every rank's symmetric buffer holds, per parity p = seq & 1 (seq = this communicator's call
+// number, advanced on the device so CUDA-graph replays advance it too):
+//   flags    [2][world] u64      flag of (parity, source rank): code(seq, op) | T << 32
+//   dispatch [world][max_tokens] rows of row_stride bytes: RowHeader | local ids[k] | weights[k] |
+//                                 payload | scales; source s writes its token t at [s][t]
+//   combine  [world][max_tokens] rows of combine_stride bytes: the partial output of token t that
+//                                 rank s computed, written by s at [s][t] of the token's owner
+// A rank may start call seq+2 only after every peer signalled call seq+1, which a peer does only
+// after finishing call seq; so two parities make the buffers reusable without a barrier.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/protocol.h"
+
+namespace ep_comm {
+namespace mnnvl {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+struct Layout {
+  int rank, world, max_tokens, num_experts, num_local, top_k, hidden, batched;
+  int64_t row_stride, payload_offset, scale_offset, payload_max, scale_max;
+  int64_t flags_offset, dispatch_offset[2], combine_offset[2], combine_stride;
+  uint64_t timeout_ns;
+  int32_t* pending;  // host-mapped
+};
+
+Layout layout_from_cfg(const int64_t* cfg);
+
+struct Common {
+  Layout lay;
+  const int64_t* peer_base;      // [world] base of each rank's buffer in this process (device memory)
+  unsigned long long* counters;  // state head (kStateSeq, kStateArrive)
+  int32_t* status;               // error record (device memory)
+};
+
+struct DispatchParams {
+  Common c;
+  const int32_t* expert_owner;  // [num_experts]: owner rank << 16 | local index
+  const void* x;                // [T, x_row_bytes] (or [T, hidden] of the quant input dtype)
+  const void* ids;              // [T, k] int32 or int64
+  const float* weights;         // [T, k]
+  const void* x_scales;         // [T, scale_row_bytes] or null
+  int num_tokens;
+  int chunks;                   // pieces each token's row is split into on the send side, of
+  int64_t chunk_bytes;          // bytes each (a multiple of 16; of 256 channels with fp8)
+  int64_t payload_bytes;        // bytes per row on the wire
+  int64_t scale_bytes;
+  int64_t capacity;             // rows per expert (batched)
+  void* out_x;                  // standard [N, payload]; batched [L, capacity, payload]
+  void* out_scales;             // same leading dims, scale_bytes per row, or null
+  int32_t* row_ids;             // [N, k] local expert ids (-1: none / padding)
+  float* row_w;                 // [N, k]
+  int32_t* row_slot;            // [N, k] batched: flat row in [L * capacity] of each id, else null
+  int32_t* counts;              // [L] batched expert_num_tokens, else null
+  int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
+};
+
+struct CombineParams {
+  Common c;
+  const void* expert_out;  // standard [N, hidden]; batched [L, capacity, hidden]
+  const int32_t* row_ids;
+  const float* row_w;
+  const int32_t* row_slot;
+  const int32_t* dest;
+  int num_tokens;
+  void* out;  // [T, hidden] of the transport dtype
+};
+
+// dtype codes: kBf16 / kFp16 / kFp32 (protocol.h); quant_dtype < 0 means no quantisation.
+cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_int64, int num_blocks,
+                            cudaStream_t stream);
+cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
+                           cudaStream_t stream);
+// Tell every peer this rank gives up the current call (its input was invalid), without data.
+cudaError_t launch_abort(const Common& c, cudaStream_t stream);
+// Set *flag (host-mapped) to 1 if any id is outside [-1, num_experts).
+cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num_experts, int32_t* flag,
+                             cudaStream_t stream);
+
+}  // namespace mnnvl
+}  // namespace ep_comm

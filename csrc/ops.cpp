@@ -1,0 +1,215 @@
+// torch.library registration of the kernel backends' ops (documented in ep_comm/backends/kernel_ops.py).
+// Ops launch on the current CUDA stream and never synchronise, so they run under CUDA-graph capture
+// and torch.compile traces them through their fake implementations (ep_comm/backends/kernel_ops.py).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "common/protocol.h"
+#include "mnnvl/mnnvl.cuh"
+
+namespace ep_comm {
+namespace {
+
+#define EP_CUDA_CHECK(expr)                                                                      \
+  do {                                                                                           \
+    const cudaError_t err__ = (expr);                                                            \
+    TORCH_CHECK(err__ == cudaSuccess, "ep_comm: ", #expr, " failed: ", cudaGetErrorString(err__)); \
+  } while (0)
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return kBf16;
+    case at::kHalf: return kFp16;
+    case at::kFloat: return kFp32;
+    default: TORCH_CHECK(false, "ep_comm: unsupported dtype ", t);
+  }
+}
+
+at::ScalarType dtype_of(int64_t code) {
+  switch (code) {
+    case kBf16: return at::kBFloat16;
+    case kFp16: return at::kHalf;
+    default: return at::kFloat;
+  }
+}
+
+// 16-byte aligned and contiguous: the kernels move rows in 16-byte vectors.
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+mnnvl::Common common(const at::Tensor& state, const at::Tensor& peer_base, const std::vector<int64_t>& cfg) {
+  TORCH_CHECK(static_cast<int64_t>(cfg.size()) == kCfgLen, "ep_comm: config vector has ", cfg.size(),
+              " entries, expected ", static_cast<int>(kCfgLen));
+  TORCH_CHECK(state.is_cuda() && state.scalar_type() == at::kLong && state.is_contiguous(), "ep_comm: bad state");
+  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong, "ep_comm: bad peer table");
+  mnnvl::Common c;
+  c.lay = mnnvl::layout_from_cfg(cfg.data());
+  TORCH_CHECK(state.numel() * 2 >= 2 * kStateCounters + status_words(c.lay.world), "ep_comm: state too small");
+  c.peer_base = peer_base.data_ptr<int64_t>();
+  c.counters = reinterpret_cast<unsigned long long*>(state.data_ptr<int64_t>());
+  c.status = reinterpret_cast<int32_t*>(state.data_ptr<int64_t>() + kStateCounters);
+  return c;
+}
+
+using DispatchOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+DispatchOut mnnvl_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                       const c10::optional<at::Tensor>& x_scales, at::Tensor& state,
+                                       const at::Tensor& peer_base, const at::Tensor& expert_owner,
+                                       std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  mnnvl::DispatchParams p{};
+  p.c = common(state, peer_base, cfg);
+  const mnnvl::Layout& L = p.c.lay;
+  const bool quant = cfg[kCfgQuantFp8] != 0;
+  const int64_t T = x.size(0);
+  const int64_t k = L.top_k;
+  const int64_t N = static_cast<int64_t>(L.world) * L.max_tokens;
+  TORCH_CHECK(T <= L.max_tokens && topk_ids.size(0) == T && topk_ids.size(1) == k, "ep_comm: bad dispatch shapes");
+  at::Tensor xc = aligned(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
+  at::Tensor sc;
+  const int64_t x_width = quant ? L.hidden : x.size(1);
+  p.payload_bytes = quant ? L.hidden : x.size(1) * x.element_size();
+  p.scale_bytes = 0;
+  at::ScalarType x_out_type = quant ? at::kFloat8_e4m3fn : x.scalar_type();
+  at::ScalarType s_out_type = at::kFloat;
+  int64_t s_width = 0;
+  if (quant) {
+    s_width = L.hidden / 128;
+    p.scale_bytes = s_width * 4;
+  } else if (x_scales.has_value()) {
+    sc = aligned(*x_scales);
+    s_width = sc.size(1);
+    s_out_type = sc.scalar_type();
+    p.scale_bytes = s_width * sc.element_size();
+  }
+  TORCH_CHECK(p.payload_bytes <= L.payload_max && p.scale_bytes <= L.scale_max, "ep_comm: row larger than the buffer");
+  const auto opts = x.options();
+  at::Tensor out_x, out_s;
+  if (L.batched) {
+    out_x = at::empty({L.num_local, N, x_width}, opts.dtype(x_out_type));
+    out_s = p.scale_bytes ? at::empty({L.num_local, N, s_width}, opts.dtype(s_out_type))
+                          : at::empty({0}, opts.dtype(s_out_type));
+  } else {
+    out_x = at::empty({N, x_width}, opts.dtype(x_out_type));
+    out_s = p.scale_bytes ? at::empty({N, s_width}, opts.dtype(s_out_type)) : at::empty({0}, opts.dtype(s_out_type));
+  }
+  at::Tensor row_ids = at::empty({N, k}, opts.dtype(at::kInt));
+  at::Tensor row_w = at::empty({N, k}, opts.dtype(at::kFloat));
+  at::Tensor row_slot = at::empty({L.batched ? N : 0, k}, opts.dtype(at::kInt));
+  at::Tensor counts = at::empty({L.batched ? L.num_local : 0}, opts.dtype(at::kInt));
+  at::Tensor dest = at::empty({T, k}, opts.dtype(at::kInt));
+
+  p.expert_owner = expert_owner.data_ptr<int32_t>();
+  p.x = xc.data_ptr();
+  p.ids = ids.data_ptr();
+  p.weights = w.data_ptr<float>();
+  p.x_scales = sc.defined() ? sc.data_ptr() : nullptr;
+  p.num_tokens = static_cast<int>(T);
+  // split rows so that every warp of the grid has a piece to send (latency of small batches)
+  const int64_t warps = cfg[kCfgNumBlocks] * mnnvl::kWarps;
+  const int64_t unit = quant ? 256 : 512;
+  int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
+  p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
+  p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
+  p.capacity = N;
+  p.out_x = out_x.data_ptr();
+  p.out_scales = p.scale_bytes ? out_s.data_ptr() : nullptr;
+  p.row_ids = row_ids.data_ptr<int32_t>();
+  p.row_w = row_w.data_ptr<float>();
+  p.row_slot = L.batched ? row_slot.data_ptr<int32_t>() : nullptr;
+  p.counts = L.batched ? counts.data_ptr<int32_t>() : nullptr;
+  p.dest = dest.data_ptr<int32_t>();
+  const int quant_dtype = quant ? dtype_code(x.scalar_type()) : -1;
+  EP_CUDA_CHECK(mnnvl::launch_dispatch(p, quant_dtype, ids.scalar_type() == at::kLong,
+                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
+  return DispatchOut{out_x, out_s, row_ids, row_w, row_slot, counts, dest};
+}
+
+void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, const at::Tensor& row_w,
+                   const at::Tensor& row_slot, const at::Tensor& dest, at::Tensor& state, const at::Tensor& peer_base,
+                   at::Tensor& out, std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(expert_out.device());
+  mnnvl::CombineParams p{};
+  p.c = common(state, peer_base, cfg);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype_of(cfg[kCfgOutDtype]) && out.size(0) == dest.size(0),
+              "ep_comm: bad combine output");
+  at::Tensor eo = aligned(expert_out);
+  p.expert_out = eo.data_ptr();
+  p.row_ids = row_ids.data_ptr<int32_t>();
+  p.row_w = row_w.data_ptr<float>();
+  p.row_slot = row_slot.numel() ? row_slot.data_ptr<int32_t>() : nullptr;
+  p.dest = dest.data_ptr<int32_t>();
+  p.num_tokens = static_cast<int>(dest.size(0));
+  p.out = out.data_ptr();
+  EP_CUDA_CHECK(mnnvl::launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
+                                      static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
+}
+
+void mnnvl_abort(at::Tensor& state, const at::Tensor& peer_base, std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(state.device());
+  const mnnvl::Common c = common(state, peer_base, cfg);
+  EP_CUDA_CHECK(mnnvl::launch_abort(c, c10::cuda::getCurrentCUDAStream()));
+}
+
+void check_ids(const at::Tensor& topk_ids, int64_t num_experts, int64_t flag_ptr) {
+  const c10::cuda::CUDAGuard guard(topk_ids.device());
+  at::Tensor ids = topk_ids.contiguous();
+  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ep_comm: ids must be int32/int64");
+  EP_CUDA_CHECK(mnnvl::launch_check_ids(ids.data_ptr(), ids.scalar_type() == at::kLong, ids.numel(),
+                                        static_cast<int>(num_experts),
+                                        reinterpret_cast<int32_t*>(static_cast<uintptr_t>(flag_ptr)),
+                                        c10::cuda::getCurrentCUDAStream()));
+}
+
+// int32 words of page-locked host memory the device can write (error flags the host reads without
+// synchronising).  Returns a CPU tensor that frees the memory with its last reference, and the
+// device address of the same memory.
+std::tuple<at::Tensor, int64_t> alloc_mapped_int32(int64_t n) {
+  void* host = nullptr;
+  EP_CUDA_CHECK(cudaHostAlloc(&host, n * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, n * sizeof(int32_t));
+  void* dev = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(host);
+    TORCH_CHECK(false, "ep_comm: cudaHostGetDevicePointer failed: ", cudaGetErrorString(err));
+  }
+  at::Tensor t = torch::from_blob(host, {n}, [](void* p) { cudaFreeHost(p); }, at::TensorOptions().dtype(at::kInt));
+  return {t, static_cast<int64_t>(reinterpret_cast<uintptr_t>(dev))};
+}
+
+}  // namespace
+}  // namespace ep_comm
+
+TORCH_LIBRARY(ep_comm, m) {
+  m.def("mnnvl_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor? x_scales, Tensor(a!) state, "
+        "Tensor peer_base, Tensor expert_owner, int[] cfg) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("mnnvl_combine(Tensor expert_out, Tensor row_ids, Tensor row_w, Tensor row_slot, Tensor dest, "
+        "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg) -> ()");
+  m.def("mnnvl_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");
+  m.def("check_ids(Tensor topk_ids, int num_experts, int flag_ptr) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
+  m.impl("mnnvl_dispatch", &ep_comm::mnnvl_dispatch);
+  m.impl("mnnvl_combine", &ep_comm::mnnvl_combine);
+  m.impl("mnnvl_abort", &ep_comm::mnnvl_abort);
+  m.impl("check_ids", &ep_comm::check_ids);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ep_comm CUDA kernels (ops registered under torch.ops.ep_comm)";
+  m.def("alloc_mapped_int32", &ep_comm::alloc_mapped_int32, "host-mapped int32 words: (cpu tensor, device address)");
+  m.attr("CFG_LEN") = static_cast<int>(ep_comm::kCfgLen);
+  m.attr("STATE_COUNTERS") = static_cast<int>(ep_comm::kStateCounters);
+}

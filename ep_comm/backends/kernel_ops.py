@@ -1,0 +1,92 @@
+"""The CUDA extension ``ep_comm._C``: its ops under ``torch.ops.ep_comm`` and their fake kernels.
+
+The ops (C++ in ``csrc/ops.cpp``) launch on the current stream and never synchronise, so they can be
+captured in CUDA graphs; the fake implementations below give ``torch.compile`` their output shapes,
+so a compiled function traces through them without a graph break.
+
+    mnnvl_dispatch(x, topk_ids, topk_weights, x_scales?, state!, peer_base, expert_owner, cfg)
+        -> (out_x, out_scales, row_ids, row_w, row_slot, counts, dest)
+    mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg) -> ()
+    mnnvl_abort(state!, peer_base, cfg) -> ()
+    check_ids(topk_ids, num_experts, flag_ptr) -> ()
+
+``cfg`` is the int vector described in ``ep_comm.backends.kernel_protocol``.  Without a CUDA build
+of torch or nvcc at install time the extension is absent; ``unavailable_reason()`` says so.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import kernel_protocol as kp
+
+__all__ = ["extension", "unavailable_reason"]
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[Optional[Any], str]:
+    try:
+        from .. import _C  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, (f"the CUDA extension ep_comm._C is not built ({exc}); it is compiled by `pip install` on "
+                      "a machine with a CUDA build of torch and nvcc (EP_COMM_BUILD_CUDA=1 forces it)")
+    if int(_C.CFG_LEN) != kp.CFG_LEN:
+        return None, (f"ep_comm._C was built from other sources (config length {_C.CFG_LEN}, "
+                      f"expected {kp.CFG_LEN}): reinstall the package")
+    _register_fakes()
+    return _C, ""
+
+
+def extension() -> Any:
+    """The loaded extension module; raises ``ImportError`` with the reason when it is absent."""
+    ext, why = _load()
+    if ext is None:
+        raise ImportError(why)
+    return ext
+
+
+def unavailable_reason() -> str:
+    """'' when the kernels can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (this torch has no usable GPU)"
+    return _load()[1]
+
+
+def _register_fakes() -> None:
+    lib = "ep_comm::"
+
+    @torch.library.register_fake(lib + "mnnvl_dispatch")
+    def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, peer_base, expert_owner, cfg: Sequence[int]):
+        world, max_tokens, k = cfg[kp.WORLD], cfg[kp.MAX_TOKENS], cfg[kp.TOP_K]
+        local, hidden, batched = cfg[kp.NUM_LOCAL], cfg[kp.HIDDEN], bool(cfg[kp.BATCHED])
+        n = world * max_tokens
+        if cfg[kp.QUANT_FP8]:
+            x_width, x_dtype, s_width, s_dtype = hidden, torch.float8_e4m3fn, hidden // 128, torch.float32
+        else:
+            x_width, x_dtype = x.shape[1], x.dtype
+            s_width = 0 if x_scales is None else x_scales.shape[1]
+            s_dtype = torch.float32 if x_scales is None else x_scales.dtype
+        has_scales = bool(cfg[kp.QUANT_FP8]) or x_scales is not None
+        lead = (local, n) if batched else (n,)
+        out_x = x.new_empty((*lead, x_width), dtype=x_dtype)
+        out_s = x.new_empty((*lead, s_width) if has_scales else (0,), dtype=s_dtype)
+        row_ids = x.new_empty((n, k), dtype=torch.int32)
+        row_w = x.new_empty((n, k), dtype=torch.float32)
+        row_slot = x.new_empty((n if batched else 0, k), dtype=torch.int32)
+        counts = x.new_empty((local if batched else 0,), dtype=torch.int32)
+        dest = x.new_empty((x.shape[0], k), dtype=torch.int32)
+        return out_x, out_s, row_ids, row_w, row_slot, counts, dest
+
+    @torch.library.register_fake(lib + "mnnvl_combine")
+    def _combine_fake(expert_out, row_ids, row_w, row_slot, dest, state, peer_base, out, cfg):
+        return None
+
+    @torch.library.register_fake(lib + "mnnvl_abort")
+    def _abort_fake(state, peer_base, cfg):
+        return None
+
+    @torch.library.register_fake(lib + "check_ids")
+    def _check_fake(topk_ids, num_experts, flag_ptr):
+        return None

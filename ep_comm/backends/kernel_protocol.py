@@ -1,0 +1,154 @@
+"""Python mirror of ``csrc/common/protocol.h``: config vector, buffer layout, error record.
+
+Kept in one place so the C++ and Python sides change together; ``kernel_ops`` refuses an extension
+whose config length differs from ``CFG_LEN``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..config import EPConfig
+
+# index of each entry of the int64 config vector (protocol.h, enum kCfg*)
+(RANK, WORLD, MAX_TOKENS, NUM_EXPERTS, NUM_LOCAL, TOP_K, HIDDEN, BATCHED, NUM_BLOCKS, ROW_STRIDE,
+ PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
+ COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
+ OUT_DTYPE, THREADS, CFG_LEN) = range(27)
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+# state tensor: int64 counters, then the int32 error record
+STATE_COUNTERS = 4
+ST_INVALID_IDS, ST_TIMEOUTS, ST_OVERFLOW, ST_LOCAL_STALL, ST_ROW_FORMAT, ST_EXPECTED_CODE = range(6)
+ST_RANK_REASON = 8
+REASON_TIMEOUT, REASON_MISMATCH, REASON_ABORT, REASON_FORMAT = 1, 2, 4, 8
+OP_NAMES = {1: "dispatch", 2: "combine", 3: "abort"}
+
+MAX_TOP_K = 32
+THREADS_PER_BLOCK = 512
+ROW_HEADER_BYTES = 16
+
+
+def status_words(world: int) -> int:
+    return ST_RANK_REASON + 2 * world
+
+
+def state_numel(world: int) -> int:
+    """int64 elements of the state tensor: counters + the int32 error record, rounded up."""
+    return STATE_COUNTERS + (status_words(world) + 1) // 2
+
+
+def describe_code(code: int) -> str:
+    """'dispatch #12' for a flag code (seq is the communicator's kernel call number)."""
+    if code == 0:
+        return "nothing yet"
+    return f"{OP_NAMES.get(code & 3, 'op ' + str(code & 3))} #{code >> 2}"
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """Byte layout of one rank's symmetric buffer (see csrc/mnnvl/mnnvl.cuh).
+
+    ``scale_max`` bounds the bytes of one token's ``x_scales`` row: ``hidden // 128`` float32 scales
+    (fp8) or, for opaque payloads, up to ``max(hidden // 4, 64)`` bytes (e.g. NVFP4 block scales).
+    """
+
+    world: int
+    max_tokens: int
+    top_k: int
+    meta_bytes: int
+    payload_max: int
+    scale_max: int
+    row_stride: int
+    combine_stride: int
+    flags_offset: int
+    dispatch_offset: tuple[int, int]
+    combine_offset: tuple[int, int]
+    nbytes: int
+
+    @property
+    def scale_offset(self) -> int:
+        return self.meta_bytes + _align(self.payload_max)
+
+    @classmethod
+    def for_config(cls, cfg: EPConfig, world: int) -> "BufferLayout":
+        k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
+        meta = _align(ROW_HEADER_BYTES + 8 * k)
+        payload_max = hidden * cfg.dtype.itemsize
+        scale_max = _align(max(4 * -(-hidden // 128), hidden // 4, 64))
+        row_stride = meta + _align(payload_max) + scale_max
+        combine_stride = _align(hidden * cfg.dtype.itemsize)
+        flags = _align(2 * world * 8, 256)
+        dispatch = world * max_t * row_stride
+        combine = world * max_t * combine_stride
+        d0 = flags
+        c0 = d0 + dispatch
+        d1 = c0 + combine
+        c1 = d1 + dispatch
+        return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, (d0, d1),
+                   (c0, c1), c1 + combine)
+
+
+def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, num_blocks: int,
+                  pending_ptr: int) -> list[int]:
+    """The static int64 vector every kernel-backend op receives."""
+    v = [0] * CFG_LEN
+    v[RANK], v[WORLD], v[MAX_TOKENS] = rank, world, cfg.max_tokens_per_rank
+    v[NUM_EXPERTS], v[NUM_LOCAL], v[TOP_K] = cfg.num_experts, cfg.num_experts // world, cfg.top_k
+    v[HIDDEN], v[BATCHED], v[NUM_BLOCKS] = cfg.hidden, int(cfg.layout == "batched"), num_blocks
+    v[ROW_STRIDE], v[PAYLOAD_OFFSET], v[SCALE_OFFSET] = layout.row_stride, layout.meta_bytes, layout.scale_offset
+    v[PAYLOAD_MAX], v[SCALE_MAX], v[FLAGS_OFFSET] = layout.payload_max, layout.scale_max, layout.flags_offset
+    v[DISPATCH_OFFSET0], v[DISPATCH_OFFSET1] = layout.dispatch_offset
+    v[COMBINE_OFFSET0], v[COMBINE_OFFSET1] = layout.combine_offset
+    v[COMBINE_STRIDE] = layout.combine_stride
+    v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
+    v[PENDING_PTR] = pending_ptr
+    v[COUNT_INVALID] = int(not cfg.validate_ids)
+    v[QUANT_FP8] = int(cfg.quant == "fp8")
+    v[OUT_DTYPE] = DTYPE_CODES[cfg.dtype]
+    v[THREADS] = THREADS_PER_BLOCK
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReport:
+    """The device error record, decoded (``state`` read after a synchronisation)."""
+
+    invalid_ids: int
+    timeouts: int
+    overflow: int
+    local_stall: int
+    row_format: int
+    expected_code: int
+    reasons: tuple[int, ...]  # per rank
+    seen: tuple[int, ...]  # per rank: the flag code seen when it was flagged
+
+    @classmethod
+    def from_words(cls, words: list[int], world: int) -> "StatusReport":
+        return cls(words[ST_INVALID_IDS], words[ST_TIMEOUTS], words[ST_OVERFLOW], words[ST_LOCAL_STALL],
+                   words[ST_ROW_FORMAT], words[ST_EXPECTED_CODE] & 0xFFFFFFFF,
+                   tuple(words[ST_RANK_REASON: ST_RANK_REASON + world]),
+                   tuple(w & 0xFFFFFFFF for w in words[ST_RANK_REASON + world: ST_RANK_REASON + 2 * world]))
+
+    def ranks_with(self, reason: int) -> list[int]:
+        return [r for r, bits in enumerate(self.reasons) if bits & reason]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.invalid_ids or self.timeouts or self.overflow or self.local_stall or self.row_format
+                    or any(self.reasons))
+
+
+def default_num_blocks(cfg: EPConfig, device: torch.device, env_value: Optional[str]) -> int:
+    """SMs (one block each) the kernels use: ``cfg.num_sms``, else ``$EP_COMM_NUM_SMS``, else 24;
+    never more than the GPU has (every block must be resident: blocks wait for each other)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = cfg.num_sms if cfg.num_sms is not None else int(env_value) if env_value else 24
+    return max(1, min(int(want), sms))

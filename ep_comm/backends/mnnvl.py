@@ -1,0 +1,211 @@
+"""``mnnvl``: one-sided NVLink dispatch/combine over a ``SymmetricBuffer`` (cuMem VMM, POSIX fds inside
+a host, FABRIC handles across hosts of an NVL72 rack).
+
+A dispatch is one kernel: route each token (duplicates merged, invalid ids dropped, in the kernel),
+store one copy per destination rank straight into that rank's buffer (fp8 quantisation fused into
+the store), signal, wait for every peer's signal, and lay the received rows out in the configured
+layout.  A combine is one kernel the other way round: one partial per (token, owner rank), summed in
+float32 by the owner.  Flags carry the call number, which advances on the device so CUDA-graph
+replays stay in step; waits are bounded by ``timeout_s`` and end in an error record the host turns
+into ``EPTimeoutError`` / ``EPError`` on the next call or ``check_errors()``.  No kernel traps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ..errors import EPError, EPInputError, EPTimeoutError
+from ..layouts import Dispatched
+from ..memory.probe import IMEX_CHANNEL_DIR, probe_capabilities
+from ..memory.symmetric import SymmetricBuffer
+from . import kernel_ops
+from . import kernel_protocol as kp
+from .base import Availability, BackendContext
+
+NUM_SMS_ENV = "EP_COMM_NUM_SMS"
+_PENDING, _IDS_FLAG = 0, 1  # words of the host-mapped area
+
+
+@dataclasses.dataclass
+class KernelHandle:
+    """What combine needs from a dispatch: per received row its local ids, weights and (batched)
+    flat slots, and per own token its destination ranks."""
+
+    row_ids: torch.Tensor
+    row_w: torch.Tensor
+    row_slot: torch.Tensor
+    dest: torch.Tensor
+
+
+class MnnvlBackend:
+    name = "mnnvl"
+    graph_capturable = True
+    kernel = True  # routing guard, quantisation and validation of ids happen in the kernels
+
+    def __init__(self, ctx: BackendContext, buffer: SymmetricBuffer, layout: kp.BufferLayout, num_blocks: int):
+        self.ctx = ctx
+        self.buffer = buffer
+        self.layout = layout
+        self.num_sms = num_blocks
+        dev = ctx.device
+        self.state = torch.zeros(kp.state_numel(ctx.world_size), dtype=torch.int64, device=dev)
+        self._mapped, mapped_dev = kernel_ops.extension().alloc_mapped_int32(2)
+        self._mapped_np = self._mapped.numpy()
+        self._ids_flag_ptr = mapped_dev + 4 * _IDS_FLAG
+        L = ctx.num_local_experts
+        owners = torch.arange(ctx.cfg.num_experts, dtype=torch.int32)
+        self.expert_owner = ((owners // L) * 65536 + owners % L).to(torch.int32).to(dev)
+        self.peer_base = buffer.peer_ptrs
+        self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks, mapped_dev)
+        self._fatal: Optional[EPError] = None
+
+    # -- protocol ---------------------------------------------------------------------------------------
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability:
+        if ctx.device.type != "cuda":
+            return Availability(False, f"needs CUDA tensors (this communicator runs on {ctx.device.type})")
+        why = kernel_ops.unavailable_reason()
+        if why:
+            return Availability(False, why)
+        if ctx.cfg.top_k > kp.MAX_TOP_K:
+            return Availability(False, f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {kp.MAX_TOP_K}")
+        caps = probe_capabilities(ctx.device.index)
+        if not caps.cuda or not caps.vmm_supported:
+            return Availability(False, f"cuMem VMM unusable on this GPU ({caps.reason or 'VMM not supported'})")
+        topo = ctx.topology
+        if topo.num_hosts > 1 and not caps.fabric_permitted:
+            return Availability(False, (
+                f"ranks span {topo.num_hosts} hosts and peers on other hosts can only be mapped with FABRIC "
+                f"handles, which this rank cannot create: {caps.fabric_summary()}. FABRIC handles need an IMEX "
+                f"channel ({IMEX_CHANNEL_DIR}/channelN present in the container) and, across nodes, the "
+                f"nvidia-imex daemon"))
+        if topo.local_world_size > 1 and not (caps.posix_fd_permitted or caps.fabric_permitted):
+            return Availability(False, f"same-host peers need POSIX fd handles: cuMemCreate/export failed "
+                                       f"({caps.posix_fd_error})")
+        return Availability(True)
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> "MnnvlBackend":
+        layout = kp.BufferLayout.for_config(ctx.cfg, ctx.world_size)
+        num_blocks = kp.default_num_blocks(ctx.cfg, ctx.device, os.environ.get(NUM_SMS_ENV))
+        buf = SymmetricBuffer.create(layout.nbytes, ctx.control, ctx.topology, ctx.device.index,
+                                     usable_backends=("ag_rs", "naive"), timeout_s=ctx.cfg.timeout_s)
+        try:
+            # flags and row headers start at zero (no call has code 0) before any peer may write
+            buf.local.zero_()
+            torch.cuda.synchronize(ctx.device)
+            ctx.control.barrier()
+            return cls(ctx, buf, layout, num_blocks)
+        except BaseException:
+            buf.close()
+            raise
+
+    def close(self) -> None:
+        self.buffer.close()
+
+    # -- data path ----------------------------------------------------------------------------------------
+    def check_inputs(self, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> None:
+        """Rows must fit the buffer's row layout (the generic checks already ran)."""
+        if x_scales is not None:
+            nbytes = x_scales.shape[1] * x_scales.element_size()
+            if nbytes > self.layout.scale_max:
+                raise EPInputError(f"x_scales rows hold {nbytes} bytes; backend mnnvl carries at most "
+                                   f"{self.layout.scale_max} bytes of scales per token (hidden={self.ctx.cfg.hidden})")
+
+    def check_ids(self, topk_ids: torch.Tensor) -> bool:
+        """True when every id is in [-1, num_experts).  One device→host synchronisation."""
+        if topk_ids.numel() == 0:
+            return True
+        self._mapped_np[_IDS_FLAG] = 0
+        torch.ops.ep_comm.check_ids(topk_ids, self.ctx.cfg.num_experts, self._ids_flag_ptr)
+        torch.cuda.current_stream(self.ctx.device).synchronize()
+        return not bool(self._mapped_np[_IDS_FLAG])
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched:
+        out_x, out_s, row_ids, row_w, row_slot, counts, dest = torch.ops.ep_comm.mnnvl_dispatch(
+            x, topk_ids, topk_weights, x_scales, self.state, self.peer_base, self.expert_owner, self.cfg_vec)
+        has_scales = self.ctx.cfg.quant == "fp8" or x_scales is not None
+        handle = KernelHandle(row_ids, row_w, row_slot, dest)
+        scales = out_s if has_scales else None
+        if self.ctx.cfg.layout == "batched":
+            return Dispatched(layout="batched", x=out_x, x_scales=scales, expert_num_tokens=counts,
+                              num_tokens=x.shape[0], epoch=epoch, handle=handle)
+        return Dispatched(layout="standard", x=out_x, x_scales=scales, topk_ids=row_ids, topk_weights=row_w,
+                          num_tokens=x.shape[0], epoch=epoch, handle=handle)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
+        h: KernelHandle = dispatched.handle
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        torch.ops.ep_comm.mnnvl_combine(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
+                                        self.peer_base, target, self.cfg_vec)
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def abort(self, reason: BaseException) -> None:
+        """This rank's input was invalid: end every peer's current call now, with an error naming this
+        rank.  The ranks' call sequences cannot be trusted afterwards, so the communicator is unusable."""
+        if self._fatal is None:
+            self._fatal = EPError(f"communicator unusable: rank {self.ctx.rank} abandoned a call after invalid "
+                                  f"input ({type(reason).__name__}: {reason}); create a new Communicator")
+            torch.ops.ep_comm.mnnvl_abort(self.state, self.peer_base, self.cfg_vec)
+
+    # -- errors -------------------------------------------------------------------------------------------
+    def poll_errors(self) -> None:
+        """Raise what the device recorded, without synchronising unless something was recorded."""
+        if self._fatal is not None:
+            raise self._fatal
+        if self._mapped_np[_PENDING]:
+            self.check_errors()
+
+    def check_errors(self) -> None:
+        """Synchronise, then raise (and clear) whatever the kernels recorded."""
+        if self._fatal is not None:
+            raise self._fatal
+        torch.cuda.synchronize(self.ctx.device)
+        words = self.state[kp.STATE_COUNTERS:].view(torch.int32)
+        report = kp.StatusReport.from_words(words.tolist(), self.ctx.world_size)
+        self._mapped_np[_PENDING] = 0
+        if report.empty:
+            return
+        words.zero_()
+        raise self._error_from(report)
+
+    def _error_from(self, rep: kp.StatusReport) -> EPError:
+        me, t = self.ctx.rank, self.ctx.cfg.timeout_s
+        expected = kp.describe_code(rep.expected_code)
+        seen = lambda ranks: "; ".join(f"rank {r} last signalled {kp.describe_code(rep.seen[r])}" for r in ranks)  # noqa: E731
+        if rep.local_stall:
+            fatal: EPError = EPError(f"rank {me}: mnnvl kernel blocks were not all resident within timeout_s={t:g} "
+                                     f"(num_sms={self.num_sms} too large while other kernels hold the GPU?)")
+        elif rep.ranks_with(kp.REASON_ABORT):
+            aborted = rep.ranks_with(kp.REASON_ABORT)
+            fatal = EPInputError(f"invalid input on peer rank(s) {aborted}: they abandoned {expected} (their own "
+                                 f"error says why); this rank's result of that call is incomplete")
+        elif rep.ranks_with(kp.REASON_TIMEOUT):
+            missing = rep.ranks_with(kp.REASON_TIMEOUT)
+            fatal = EPTimeoutError(
+                f"rank {me}: mnnvl {expected} did not complete within timeout_s={t:g}: no signal from rank(s) "
+                f"{missing} ({seen(missing)})", missing_ranks=missing)
+        elif rep.ranks_with(kp.REASON_MISMATCH):
+            fatal = EPError(f"rank {me}: ranks are on different calls: this rank was in {expected}, "
+                            f"{seen(rep.ranks_with(kp.REASON_MISMATCH))}; every rank must call dispatch/combine "
+                            "in the same order")
+        elif rep.ranks_with(kp.REASON_FORMAT):
+            fatal = EPInputError(f"rank(s) {rep.ranks_with(kp.REASON_FORMAT)} sent rows of another payload/scale "
+                                 f"width than rank {me} in the same call; every rank must pass x and x_scales "
+                                 "of the same width and dtype")
+        elif rep.overflow:
+            fatal = EPError(f"rank {me}: a peer announced more than max_tokens_per_rank="
+                            f"{self.ctx.cfg.max_tokens_per_rank} tokens")
+        else:
+            # ids were treated as -1 on every rank alike: the ranks are still in step
+            return EPInputError(f"{rep.invalid_ids} topk_ids outside [-1, num_experts={self.ctx.cfg.num_experts}) "
+                                f"were treated as -1 (id validation switched off, or a CUDA-graph replay)")
+        # the ranks' call sequences can no longer be trusted: every later call raises this too
+        self._fatal = fatal
+        return fatal

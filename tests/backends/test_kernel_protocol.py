@@ -1,0 +1,109 @@
+"""The Python mirror of csrc/common/protocol.h, the mnnvl buffer layout, and mnnvl's refusal on CPUs."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm.backends import kernel_protocol as kp
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "common" / "protocol.h"
+
+
+def _enum_values(text: str, first: str) -> dict[str, int]:
+    """Values of the ``enum : int`` whose first member is ``first``."""
+    text = re.sub(r"//[^\n]*", "", text)
+    body = re.search(r"enum\s*:\s*int\s*\{\s*(" + first + r"\b[^}]*)\}", text).group(1)
+    out, nxt = {}, 0
+    for item in body.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            item, value = (part.strip() for part in item.split("="))
+            nxt = int(value)
+        out[item] = nxt
+        nxt += 1
+    return out
+
+
+def test_config_indices_match_the_header():
+    cfg = _enum_values(HEADER.read_text(), "kCfgRank")
+    names = {"kCfg" + "".join(p.capitalize() for p in n.lower().split("_")): getattr(kp, n)
+             for n in ("RANK", "WORLD", "MAX_TOKENS", "NUM_EXPERTS", "NUM_LOCAL", "TOP_K", "HIDDEN", "BATCHED",
+                       "NUM_BLOCKS", "ROW_STRIDE", "PAYLOAD_OFFSET", "SCALE_OFFSET", "PAYLOAD_MAX", "SCALE_MAX",
+                       "FLAGS_OFFSET", "TIMEOUT_NS", "PENDING_PTR", "COUNT_INVALID", "QUANT_FP8", "OUT_DTYPE",
+                       "THREADS", "COMBINE_STRIDE")}
+    names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
+    names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
+    names["kCfgLen"] = kp.CFG_LEN
+    names["kCfgTopK"] = kp.TOP_K
+    assert {n: cfg[n] for n in names} == names
+
+
+def test_status_and_state_layout_match_the_header():
+    text = HEADER.read_text()
+    status = _enum_values(text, "kStatusInvalidIds")
+    assert status == {"kStatusInvalidIds": kp.ST_INVALID_IDS, "kStatusTimeouts": kp.ST_TIMEOUTS,
+                      "kStatusOverflow": kp.ST_OVERFLOW, "kStatusLocalStall": kp.ST_LOCAL_STALL,
+                      "kStatusRowFormat": kp.ST_ROW_FORMAT, "kStatusExpectedCode": kp.ST_EXPECTED_CODE,
+                      "kStatusRankReason": kp.ST_RANK_REASON}
+    assert _enum_values(text, "kStateSeq")["kStateCounters"] == kp.STATE_COUNTERS
+    reasons = dict(re.findall(r"(kReason\w+)\s*=\s*(\d+)", text))
+    assert {k: int(v) for k, v in reasons.items()} == {
+        "kReasonTimeout": kp.REASON_TIMEOUT, "kReasonMismatch": kp.REASON_MISMATCH,
+        "kReasonAbort": kp.REASON_ABORT, "kReasonFormat": kp.REASON_FORMAT}
+    assert "kMaxTopK = %d;" % kp.MAX_TOP_K in text
+    assert "kThreads = %d;" % kp.THREADS_PER_BLOCK in (HEADER.parent.parent / "mnnvl" / "mnnvl.cuh").read_text()
+
+
+@pytest.mark.parametrize("world,layout,dtype", [(2, "standard", torch.bfloat16), (8, "batched", torch.float32),
+                                                (3, "batched", torch.float16)])
+def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype):
+    cfg = ep_comm.EPConfig(num_experts=12 * world, top_k=6, hidden=7168, max_tokens_per_rank=37, dtype=dtype,
+                           layout=layout)
+    lay = kp.BufferLayout.for_config(cfg, world)
+    spans = [(lay.flags_offset, 2 * world * 8)]
+    for p in (0, 1):
+        spans.append((lay.dispatch_offset[p], world * 37 * lay.row_stride))
+        spans.append((lay.combine_offset[p], world * 37 * lay.combine_stride))
+    spans.sort()
+    for (a, na), (b, _) in zip(spans, spans[1:]):
+        assert a + na <= b
+    assert spans[-1][0] + spans[-1][1] == lay.nbytes
+    assert all(off % 16 == 0 for off, _ in spans)
+    assert lay.row_stride % 16 == 0 and lay.combine_stride % 16 == 0 and lay.meta_bytes % 16 == 0
+    assert lay.meta_bytes >= kp.ROW_HEADER_BYTES + 8 * cfg.top_k
+    assert lay.scale_offset >= lay.meta_bytes + lay.payload_max
+    assert lay.scale_max >= 4 * (7168 // 128)  # fp8 scales fit
+    vec = kp.config_vector(cfg, 1, world, lay, 24, 0)
+    assert len(vec) == kp.CFG_LEN and vec[kp.NUM_LOCAL] == 12 and vec[kp.BATCHED] == (layout == "batched")
+
+
+def test_flag_codes_round_trip():
+    assert kp.describe_code((5 << 2) | 1) == "dispatch #5"
+    assert kp.describe_code((7 << 2) | 2) == "combine #7"
+    assert kp.describe_code(0) == "nothing yet"
+
+
+def _cpu_mnnvl_worker() -> tuple[str, str]:
+    topo = ep_comm.init_distributed()
+    cfg = ep_comm.EPConfig(num_experts=4, top_k=2, hidden=64, max_tokens_per_rank=4, backend="mnnvl")
+    try:
+        ep_comm.Communicator(cfg)
+        return "created", ""
+    except ep_comm.EPTopologyError as exc:
+        auto = ep_comm.Communicator(cfg.replace(backend="auto"))
+        name = auto.backend
+        auto.close()
+        return str(exc), name
+
+
+def test_mnnvl_on_cpu_says_why_and_auto_falls_back():
+    for msg, auto in raise_on_failure(spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120)):
+        assert "mnnvl" in msg and "needs CUDA" in msg, msg
+        assert auto == "ag_rs"

@@ -1,0 +1,293 @@
+"""The mnnvl kernel backend on GPUs: the oracle matrix, CUDA graphs, torch.compile, the error paths.
+
+One rank per GPU when there are at least 2 GPUs; on a one-GPU machine 2 ranks share cuda:0 and
+bootstrap over gloo (correct, not fast: the two processes' kernels time-slice).  Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import oracle
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local
+
+from . import cases
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _ngpu() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _world() -> int:
+    return _ngpu() if _ngpu() >= 2 else 2
+
+
+def _spawn(fn, *args, timeout_s: float = 600.0):
+    env = None if _ngpu() >= 2 else (lambda rank: {cases.SHARED_GPU_ENV: "1"})
+    return raise_on_failure(spawn_local(fn, _world(), args=args, timeout_s=timeout_s, extra_env=env))
+
+
+def _merge(per_rank) -> dict:
+    merged: dict = {}
+    for rank, res in enumerate(per_rank):
+        for key, problems in res.items():
+            merged.setdefault(key, []).extend(f"rank {rank}: {p}" for p in problems)
+    return merged
+
+
+_cache: dict = {}
+
+
+def _run(name, fn, *args):
+    if name not in _cache:
+        _cache[name] = _merge(_spawn(fn, *args))
+    return _cache[name]
+
+
+MATRIX = [f"mnnvl/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_matches_oracle(case):
+    results = _run("matrix", cases.backend_matrix, ("mnnvl",), ("standard", "batched"), 2)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+GRAPH = [f"mnnvl/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp8")]
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_cuda_graph_capture_and_replay(case):
+    results = _run("graph", cases.graph_capture, ("mnnvl",))
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+# -- other dtypes, int64 ids, validation switched off, no host synchronisation ------------------------------
+def variants_worker() -> dict:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    out: dict = {}
+    for layout in ("standard", "batched"):
+        for dtype in (torch.float16, torch.float32):
+            cfg = cases.make_cfg(world, "mnnvl", layout, None).replace(dtype=dtype)
+            with ep_comm.Communicator(cfg, device=device) as comm:
+                spec = dict(tokens=[cfg.max_tokens_per_rank - r for r in range(world)], p_duplicate=0.2)
+                out[f"{layout}/{dtype}"] = cases.run_case(comm, cfg, world, rank, 300 + world, "bf16+scales", spec)
+
+        # int64 ids, and out-of-range ids with validation off: counted on the device, treated as -1,
+        # and not one host synchronisation inside dispatch/combine
+        cfg = cases.make_cfg(world, "mnnvl", layout, "fp8", validate_ids=False)
+        problems = []
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            inputs = oracle.random_inputs(cfg, world, 77, p_minus_one=0.1)
+            bad = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in inputs]
+            for b in bad:
+                b.topk_ids[0, 1] = cfg.num_experts + 3
+                b.topk_ids[1, 0] = -7
+            mine = bad[rank].to(comm.device)
+            ids64 = mine.topk_ids.to(torch.int64)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                d = comm.dispatch(mine.x, ids64, mine.topk_weights)
+                expert_out = cases.graph_experts(cfg, rank, world, d)
+                y = comm.combine(expert_out, d)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            cleaned = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in bad]
+            for c in cleaned:
+                c.topk_ids[(c.topk_ids < -1) | (c.topk_ids >= cfg.num_experts)] = -1
+            problems += [f"dispatch: {p}" for p in
+                         oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, cleaned)[rank])]
+            problems += [f"combine: {p}" for p in
+                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, cleaned)[rank])]
+            try:
+                comm.check_errors()
+                problems.append("out-of-range ids were not reported")
+            except ep_comm.EPInputError as exc:
+                if "2 topk_ids" not in str(exc) or "treated as -1" not in str(exc):
+                    problems.append(f"unexpected message: {exc}")
+            comm.check_errors()  # reported once, and the communicator stays usable
+            out[f"{layout}/fp8/int64_ids/validation_off"] = problems
+    return out
+
+
+VARIANTS = [f"{l}/{v}" for l in ("standard", "batched")
+            for v in ("torch.float16", "torch.float32", "fp8/int64_ids/validation_off")]
+
+
+@pytest.mark.parametrize("case", VARIANTS)
+def test_dtypes_int64_ids_and_device_side_validation(case):
+    results = _run("variants", variants_worker)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+# -- errors: a rank that skips a call, ranks on different calls, a rank with bad input --------------------
+def skip_worker(timeout_s: float) -> dict:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=timeout_s)
+    comm = ep_comm.Communicator(cfg, device=device)
+    inp = oracle.random_inputs(cfg, world, 5)[rank].to(comm.device)
+    d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+    comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+    comm.check_errors()
+    res: dict = {"rank": rank}
+    if rank != world - 1:  # the last rank skips the next dispatch
+        t0 = time.monotonic()
+        comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        try:
+            comm.check_errors()
+            res["error"] = None
+        except ep_comm.EPTimeoutError as exc:
+            res["error"], res["missing"] = str(exc), list(exc.missing_ranks)
+        res["elapsed"] = time.monotonic() - t0
+        try:
+            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+            res["later"] = "no error"
+        except ep_comm.EPError as exc:
+            res["later"] = type(exc).__name__
+    t0 = time.monotonic()
+    comm.close()
+    res["close_s"] = time.monotonic() - t0
+    return res
+
+
+def test_rank_that_skips_a_call_is_named_by_a_timeout():
+    timeout_s = 3.0
+    results = _spawn(skip_worker, timeout_s, timeout_s=120)
+    world = _world()
+    for res in results[:-1]:
+        assert res["error"] is not None, res
+        assert res["missing"] == [world - 1], res
+        assert res["elapsed"] < timeout_s + 5, res
+        assert res["later"] == "EPTimeoutError", res  # unusable afterwards, and says why
+    assert all(r["close_s"] < 30 for r in results)
+
+
+def mismatch_worker() -> str:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "batched", None, timeout_s=60.0)
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        inp = oracle.random_inputs(cfg, world, 9)[rank].to(comm.device)
+        d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        t0 = time.monotonic()
+        if rank == 0:
+            comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        else:
+            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        try:
+            comm.check_errors()
+            return "no error"
+        except ep_comm.EPError as exc:
+            return f"{type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}"
+
+
+def test_ranks_on_different_calls_raise_without_waiting():
+    for msg in _spawn(mismatch_worker, timeout_s=180):
+        assert msg.startswith("EPError"), msg
+        assert "different calls" in msg, msg
+        assert float(msg.split(" after ")[1].split("s:")[0]) < 30, msg  # well before timeout_s=60
+
+
+def abort_worker() -> str:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=60.0)
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        inp = oracle.random_inputs(cfg, world, 11)[rank].to(comm.device)
+        t0 = time.monotonic()
+        try:
+            if rank == 0:  # one token too many
+                x = torch.cat([inp.x, inp.x[:1]]) if inp.x.shape[0] else inp.x
+                ids = torch.cat([inp.topk_ids, inp.topk_ids[:1]])
+                w = torch.cat([inp.topk_weights, inp.topk_weights[:1]])
+                comm.dispatch(x, ids, w)
+            else:
+                comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+            comm.check_errors()
+            return "no error"
+        except ep_comm.EPError as exc:
+            return f"{type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}"
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank():
+    msgs = _spawn(abort_worker, timeout_s=180)
+    assert msgs[0].startswith("EPInputError") and "max_tokens_per_rank" in msgs[0], msgs[0]
+    for m in msgs[1:]:
+        assert m.startswith("EPInputError") and "peer rank(s) [0]" in m, m
+        assert float(m.split(" after ")[1].split("s:")[0]) < 30, m
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------
+def compile_worker() -> dict:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "batched", None)
+    out: dict = {}
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        impl = comm._impl
+        inputs = oracle.random_inputs(cfg, world, 21)
+        mine = inputs[rank].to(comm.device)
+
+        def through_ops(x, ids, w):  # the ops themselves, compiled whole
+            o = torch.ops.ep_comm.mnnvl_dispatch(x, ids, w, None, impl.state, impl.peer_base, impl.expert_owner,
+                                                 impl.cfg_vec)
+            return o[5], o[0].float().sum()
+
+        counts, _ = torch.compile(through_ops, fullgraph=True)(mine.x, mine.topk_ids, mine.topk_weights)
+        want = [sum(c.values()) for c in oracle.expected_dispatch(cfg, inputs)[rank].per_expert]
+        out["ops_fullgraph"] = [] if counts.tolist() == want else [f"counts {counts.tolist()} != {want}"]
+
+        def layer(x, ids, w):  # the public API inside a compiled function
+            d = comm.dispatch(x, ids, w)
+            return comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+
+        y = torch.compile(layer)(mine.x, mine.topk_ids, mine.topk_weights)
+        out["communicator"] = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+        comm.check_errors()
+    return out
+
+
+@pytest.mark.parametrize("case", ["ops_fullgraph", "communicator"])
+def test_torch_compile(case):
+    results = _run("compile", compile_worker)
+    assert results[case] == [], "\n".join(results[case])
+
+
+# -- backend choice ---------------------------------------------------------------------------------------
+def choice_worker(fake_hosts: bool) -> dict:
+    import os
+
+    if fake_hosts:
+        os.environ["EP_COMM_HOST_ID"] = f"fakehost{os.environ['RANK']}"
+    topo, device = cases.init_rank()
+    world = topo.world_size
+    res = {}
+    with ep_comm.Communicator(cases.make_cfg(world, "auto", "standard", None), device=device) as comm:
+        res["auto"] = comm.backend
+    try:
+        ep_comm.Communicator(cases.make_cfg(world, "mnnvl", "standard", None), device=device).close()
+        res["mnnvl"] = "created"
+    except ep_comm.EPTopologyError as exc:
+        res["mnnvl"] = str(exc)
+    return res
+
+
+@pytest.mark.multigpu
+def test_auto_picks_mnnvl_and_falls_back_across_fake_hosts():
+    same = _spawn(choice_worker, False, timeout_s=180)
+    assert all(r == {"auto": "mnnvl", "mnnvl": "created"} for r in same), same
+    split = _spawn(choice_worker, True, timeout_s=180)
+    for r in split:
+        assert r["auto"] == "ag_rs", r
+        assert "/dev/nvidia-caps-imex-channels" in r["mnnvl"] and "FABRIC" in r["mnnvl"], r
