@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -171,20 +172,23 @@ void check_ids(const at::Tensor& topk_ids, int64_t num_experts, int64_t flag_ptr
                                         c10::cuda::getCurrentCUDAStream()));
 }
 
-// int32 words of page-locked host memory the device can write (error flags the host reads without
-// synchronising).  Returns a CPU tensor that frees the memory with its last reference, and the
-// device address of the same memory.
-std::tuple<at::Tensor, int64_t> alloc_mapped_int32(int64_t n) {
-  void* host = nullptr;
-  EP_CUDA_CHECK(cudaHostAlloc(&host, n * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(host, 0, n * sizeof(int32_t));
-  void* dev = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
-  if (err != cudaSuccess) {
-    cudaFreeHost(host);
-    TORCH_CHECK(false, "ep_comm: cudaHostGetDevicePointer failed: ", cudaGetErrorString(err));
-  }
-  at::Tensor t = torch::from_blob(host, {n}, [](void* p) { cudaFreeHost(p); }, at::TensorOptions().dtype(at::kInt));
+// One page-locked, device-mapped arena per process for the host-visible error words of every
+// communicator (ep_comm/backends/mapped.py hands out slots).  It is never freed: freeing
+// page-locked memory is not allowed while any stream captures a CUDA graph, and a communicator
+// can be garbage-collected at any time.
+constexpr int64_t kArenaWords = 1 << 14;
+
+std::tuple<at::Tensor, int64_t> mapped_arena() {
+  static void* host = nullptr;
+  static void* dev = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    EP_CUDA_CHECK(cudaHostAlloc(&host, kArenaWords * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(host, 0, kArenaWords * sizeof(int32_t));
+    EP_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+  });
+  TORCH_CHECK(host != nullptr && dev != nullptr, "ep_comm: the host-mapped arena could not be allocated");
+  at::Tensor t = torch::from_blob(host, {kArenaWords}, [](void*) {}, at::TensorOptions().dtype(at::kInt));
   return {t, static_cast<int64_t>(reinterpret_cast<uintptr_t>(dev))};
 }
 
@@ -209,7 +213,7 @@ TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ep_comm CUDA kernels (ops registered under torch.ops.ep_comm)";
-  m.def("alloc_mapped_int32", &ep_comm::alloc_mapped_int32, "host-mapped int32 words: (cpu tensor, device address)");
+  m.def("mapped_arena", &ep_comm::mapped_arena, "the process's host-mapped int32 arena: (cpu tensor, device address)");
   m.attr("CFG_LEN") = static_cast<int>(ep_comm::kCfgLen);
   m.attr("STATE_COUNTERS") = static_cast<int>(ep_comm::kStateCounters);
 }

@@ -219,8 +219,7 @@ class Communicator:
     # -- kernel backends: no host agreement, errors travel through the device --------------------------
     def _dispatch_kernel(self, x, topk_ids, topk_weights, x_scales) -> Dispatched:
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
-        if host_checks:
-            self._impl.poll_errors()
+        earlier_drops = host_checks and self._before_kernel_call()
         try:
             validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
             self._impl.check_inputs(x, x_scales)
@@ -234,12 +233,13 @@ class Communicator:
         out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch)
         out.owner = self
         self._epoch += 1
+        if earlier_drops:
+            self._impl.check_errors()
         return out
 
     def _combine_kernel(self, expert_out, dispatched, out) -> torch.Tensor:
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
-        if host_checks:
-            self._impl.poll_errors()
+        earlier_drops = host_checks and self._before_kernel_call()
         try:
             if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
@@ -251,7 +251,17 @@ class Communicator:
             raise EPInputError(f"invalid combine input: {exc!r}") from exc
         if out is None:
             out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
-        return self._impl.combine(expert_out, dispatched, out)
+        y = self._impl.combine(expert_out, dispatched, out)
+        if earlier_drops:
+            self._impl.check_errors()
+        return y
+
+    def _before_kernel_call(self) -> bool:
+        """Raise a recorded peer problem now (the call must not start: the ranks are out of step).
+        Returns whether an earlier call dropped invalid ids: that is raised once this call has been
+        launched, so this rank stays in step with its peers."""
+        self._impl.poll_errors()
+        return self._impl.recoverable_pending()
 
     def _abandon_call(self, reason: BaseException) -> None:
         """Tell the peers this rank gives up its current call (they raise instead of timing out)."""

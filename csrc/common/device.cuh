@@ -48,8 +48,9 @@ __device__ __forceinline__ void st_volatile_sys_i32(int32_t* p, int32_t v) {
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 
 // ---- the error record -------------------------------------------------------------------------
-// ``status`` is device memory (int32, layout in protocol.h); ``pending`` one int32 in host-mapped
-// memory that the host reads without synchronising to learn that ``status`` holds something.
+// ``status`` is device memory (int32, layout in protocol.h); ``pending`` points at host-mapped int32
+// words the host reads without synchronising: [kPendingFatal] when a peer problem was recorded (the
+// call sequence is broken), [kPendingRecoverable] when only ids were dropped (ranks still in step).
 struct ErrorSink {
   int32_t* status;
   int32_t* pending;
@@ -57,18 +58,18 @@ struct ErrorSink {
 
   __device__ void count(int slot, int n) const {
     atomicAdd(status + slot, n);
-    raise_pending();
+    raise_pending(slot == kStatusInvalidIds ? kPendingRecoverable : kPendingFatal);
   }
   __device__ void peer(int r, int reason, uint32_t observed, uint32_t expected) const {
     atomicOr(status + kStatusRankReason + r, reason);
     atomicExch(status + kStatusRankReason + world + r, static_cast<int32_t>(observed));
     atomicCAS(status + kStatusExpectedCode, 0, static_cast<int32_t>(expected));
-    raise_pending();
+    raise_pending(kPendingFatal);
   }
-  __device__ void raise_pending() const {
+  __device__ void raise_pending(int word) const {
     __threadfence();
     if (pending != nullptr) {
-      st_volatile_sys_i32(pending, 1);
+      st_volatile_sys_i32(pending + word, 1);
       __threadfence_system();
     }
   }
@@ -246,6 +247,7 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <bool kCgSrc>
 __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes,
                                                 int lane) {
+  if (nd == 0) return;
   uintptr_t align = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
   for (int d = 0; d < nd; ++d) align |= reinterpret_cast<uintptr_t>(dst[d]);
   if ((align & 15) == 0) {

@@ -30,7 +30,7 @@ EP_HD bool code_ahead(uint32_t code, uint32_t expected) {
 }
 
 // int64 counters at the head of the state tensor
-enum : int { kStateSeq = 0, kStateArrive = 1, kStateCounters = 4 };
+enum : int { kStateSeq = 0, kStateArrive = 1, kStateZeroed = 2, kStateCounters = 4 };
 
 // int32 error record after the counters (device memory), layout:
 enum : int {
@@ -43,6 +43,9 @@ enum : int {
   kStatusRankReason = 8,    // [world] reason bits per peer, then [world] code seen from that peer
 };
 enum : int { kReasonTimeout = 1, kReasonMismatch = 2, kReasonAbort = 4, kReasonFormat = 8 };
+
+// host-mapped int32 words per communicator (kCfgPendingPtr points at the first)
+enum : int { kPendingFatal = 0, kPendingIdsCheck = 1, kPendingRecoverable = 2, kPendingWords = 4 };
 
 EP_HD int status_words(int world) { return kStatusRankReason + 2 * world; }
 

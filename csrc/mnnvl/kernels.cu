@@ -107,10 +107,71 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
   return r;
 }
 
-template <int kQuant, bool kIds64>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
+// Lanes j < k hold local expert id ``lid`` (-1: none) and weight ``lw`` of output row ``row``.  Writes
+// the row's ids and weights (and, batched, takes one slot per local expert) and leaves in ``dst`` /
+// ``dst_s`` the places its payload and scales go: the standard row, or one batched slot per expert.
+// Returns how many.  A row whose ids are all -1 is padding: ids written, nothing to copy.
+__device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, uint8_t** dst,
+                                         uint8_t** dst_s, int lane) {
+  const int k = p.c.lay.top_k;
+  if (lane < k) {
+    p.row_ids[row * k + lane] = lid;
+    p.row_w[row * k + lane] = lid >= 0 ? lw : 0.f;
+  }
+  const unsigned mask = __ballot_sync(kFull, lid >= 0);
+  if (!p.c.lay.batched) {
+    if (lane == 0) {
+      dst[0] = static_cast<uint8_t*>(p.out_x) + row * p.payload_bytes;
+      dst_s[0] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + row * p.scale_bytes : nullptr;
+    }
+    __syncwarp();
+    return mask ? 1 : 0;
+  }
+  const int slot = lid >= 0 ? atomicAdd(p.counts + lid, 1) : -1;
+  const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
+  if (lane < k) p.row_slot[row * k + lane] = static_cast<int32_t>(flat);
+  if (lid >= 0) {
+    const int j = __popc(mask & lanes_below(lane));
+    dst[j] = static_cast<uint8_t*>(p.out_x) + flat * p.payload_bytes;
+    dst_s[j] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + flat * p.scale_bytes : nullptr;
+  }
+  __syncwarp();
+  return __popc(mask);
+}
+
+// Copy (or quantise) token t of this rank's x, bytes [lo, hi) of its wire payload, to ``nd`` rows.
+// ``dst`` point at the payload and ``dst_s`` at the scales of each row (scales written with lo == 0).
+template <int kQuant>
+__device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
+                                             uint8_t** dst_s, int nd, int lane) {
   using QuantIn = typename std::conditional<kQuant == kFp16, __half,
                   typename std::conditional<kQuant == kFp32, float, __nv_bfloat16>::type>::type;
+  if (nd == 0) return;
+  if (kQuant >= 0) {
+    // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle chunks
+    if (lane < nd) {
+      dst[lane] += lo;
+      dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
+    }
+    __syncwarp();
+    const QuantIn* src = static_cast<const QuantIn*>(p.x) + static_cast<int64_t>(t) * p.c.lay.hidden + lo;
+    warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
+                                  lane);
+  } else {
+    if (lane < nd) dst[lane] += lo;
+    __syncwarp();
+    const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.payload_bytes + lo;
+    warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
+    if (lo == 0 && p.scale_bytes > 0) {
+      const uint8_t* ssrc = static_cast<const uint8_t*>(p.x_scales) + static_cast<int64_t>(t) * p.scale_bytes;
+      warp_copy_multi<false>(ssrc, dst_s, nd, p.scale_bytes, lane);
+    }
+  }
+  __syncwarp();
+}
+
+template <int kQuant, bool kIds64>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
   const Layout& L = p.c.lay;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -123,34 +184,50 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const uint32_t code = make_code(seq, kOpDispatch);
   const int parity = static_cast<int>(seq & 1);
 
-  __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination rows
-  __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: payload / scale pointers into them
-  __shared__ float* s_dst_f[kWarps][kMaxTopK];    // per warp: fp8 scale pointers
+  __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
+  __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
+  uint8_t** dst = s_dst[warp];
+  uint8_t** dst_s = s_dst_s[warp];
 
-  if (L.batched && blockIdx.x == 0)
+  // batched slots are taken with atomics on counts from the send phase on: zero them first
+  unsigned long long* const zeroed = p.c.counters + kStateZeroed;
+  if (L.batched && blockIdx.x == 0) {
     for (int e = threadIdx.x; e < L.num_local; e += blockDim.x) p.counts[e] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicExch(zeroed, static_cast<unsigned long long>(code));
+    }
+  }
 
-  // ---- send: one copy of each token per destination rank, at [this rank][t] of that rank's region
-  const int64_t chunk_bytes = p.chunk_bytes;
+  // ---- send: one copy of each token per remote destination rank, at [this rank][t] of that rank's
+  // region; this rank's own share goes straight into the output layout (no second pass over it)
   const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
   for (int64_t item = gwarp; item < items; item += nwarps) {
     const int t = static_cast<int>(item / p.chunks);
     const int chunk = static_cast<int>(item % p.chunks);
     const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);
-    if (r.keep && ((r.leaders >> lane) & 1u)) {
-      const int i = __popc(r.leaders & lanes_below(lane));
+    const bool leader = r.keep && ((r.leaders >> lane) & 1u);
+    const bool remote = leader && r.owner_rank != L.rank;
+    const unsigned remote_mask = __ballot_sync(kFull, remote);
+    const int n_remote = __popc(remote_mask);
+    if (chunk == 0) {  // the token's destination list, for combine
+      if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
+      if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
+    }
+    if (remote) {
+      const int i = __popc(remote_mask & lanes_below(lane));
       uint8_t* row = peer_ptr(p.c, r.owner_rank) + L.dispatch_offset[parity] +
                      (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
-      s_dst[warp][i] = row;
+      dst[i] = row + L.payload_offset;
+      dst_s[i] = row + L.scale_offset;
       s_dst_rank[warp][i] = r.owner_rank;
-      if (chunk == 0) p.dest[static_cast<int64_t>(t) * k + i] = r.owner_rank;
     }
-    if (chunk == 0 && lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
     __syncwarp();
     if (chunk == 0) {
-      for (int i = 0; i < r.num_dest; ++i) {
-        uint8_t* row = s_dst[warp][i];
+      for (int i = 0; i < n_remote; ++i) {
+        uint8_t* row = dst[i] - L.payload_offset;
         const int dst_rank = s_dst_rank[warp][i];
         if (lane < k) {
           const bool mine = r.keep && r.owner_rank == dst_rank;
@@ -163,34 +240,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         }
       }
     }
-    const int64_t lo = chunk * chunk_bytes;
-    const int64_t hi = min(p.payload_bytes, lo + chunk_bytes);
-    if (kQuant >= 0) {
-      // chunk_bytes is a multiple of 256 channels here (host side), so scale blocks never straddle
-      uint8_t** dq = s_dst_s[warp];
-      float** ds = s_dst_f[warp];
-      if (lane < r.num_dest) {
-        dq[lane] = s_dst[warp][lane] + L.payload_offset + lo;
-        ds[lane] = reinterpret_cast<float*>(s_dst[warp][lane] + L.scale_offset) + lo / 128;
+    const int64_t lo = chunk * p.chunk_bytes;
+    send_payload<kQuant>(p, t, lo, min(p.payload_bytes, lo + p.chunk_bytes), dst, dst_s, n_remote, lane);
+
+    if (chunk == 0) {  // own share: the whole row, by the chunk-0 warp (chunks must agree on slots)
+      if (L.batched && lane == 0) {
+        uint32_t spins = 0;
+        while (ld_acquire_gpu(zeroed) != static_cast<unsigned long long>(code)) {
+          if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
+            err.count(kStatusLocalStall, 1);
+            break;
+          }
+        }
       }
       __syncwarp();
-      const QuantIn* src = static_cast<const QuantIn*>(p.x) + static_cast<int64_t>(t) * L.hidden + lo;
-      warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dq, ds, r.num_dest, lane);
-    } else {
-      uint8_t** dp = s_dst_s[warp];
-      if (lane < r.num_dest) dp[lane] = s_dst[warp][lane] + L.payload_offset + lo;
-      __syncwarp();
-      const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.payload_bytes + lo;
-      warp_copy_multi<false>(src, dp, r.num_dest, hi - lo, lane);
-      if (chunk == 0 && p.scale_bytes > 0) {
-        __syncwarp();
-        if (lane < r.num_dest) dp[lane] = s_dst[warp][lane] + L.scale_offset;
-        __syncwarp();
-        const uint8_t* ssrc = static_cast<const uint8_t*>(p.x_scales) + static_cast<int64_t>(t) * p.scale_bytes;
-        warp_copy_multi<false>(ssrc, dp, r.num_dest, p.scale_bytes, lane);
-      }
+      const int lid = r.keep && r.owner_rank == L.rank ? r.local : -1;
+      const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+      const int n = place_row(p, row, lid, r.weight, dst, dst_s, lane);
+      send_payload<kQuant>(p, t, 0, p.payload_bytes, dst, dst_s, n, lane);
     }
-    __syncwarp();
   }
 
   // ---- signal: the last block to arrive releases every peer's flag for this source
@@ -200,30 +268,33 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
 
-  // ---- receive: rows [src][t] of our region into the output layout; own rows first
+  // ---- receive: peers' rows [src][t] of our region into the output layout; own rows past T are padding
   __shared__ uint64_t s_flag;
   uint8_t* const own = peer_ptr(p.c, L.rank);
-  const int64_t n_rows = L.max_tokens;
   for (int i = 0; i < L.world; ++i) {
     const int src = (L.rank + i) % L.world;
-    if (threadIdx.x == 0) {
-      const uint64_t* flag =
-          reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
-      uint64_t v = wait_flag(flag, code, src, deadline, err);
-      if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
-        if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
-        v = (static_cast<uint64_t>(L.max_tokens) << 32) | static_cast<uint32_t>(v);
+    int first = 0, src_tokens = p.num_tokens;
+    if (src != L.rank) {
+      if (threadIdx.x == 0) {
+        const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
+        uint64_t v = wait_flag(flag, code, src, deadline, err);
+        if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
+          if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
+          v = (static_cast<uint64_t>(L.max_tokens) << 32) | static_cast<uint32_t>(v);
+        }
+        s_flag = v;
       }
-      s_flag = v;
+      __syncthreads();
+      src_tokens = static_cast<int>(s_flag >> 32);  // 0 when the source failed
+    } else {
+      first = p.num_tokens;  // rows below T were laid out while sending
     }
-    __syncthreads();
-    const int src_tokens = static_cast<int>(s_flag >> 32);  // 0 when the source failed
-    const uint8_t* region = own + L.dispatch_offset[parity] + static_cast<int64_t>(src) * n_rows * L.row_stride;
-    for (int t = gwarp; t < L.max_tokens; t += nwarps) {
+    const uint8_t* region = own + L.dispatch_offset[parity] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+    for (int t = first + gwarp; t < L.max_tokens; t += nwarps) {
       const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
       const uint8_t* row = region + t * L.row_stride;
       bool valid = false;
-      if (t < src_tokens) {
+      if (src != L.rank && t < src_tokens) {
         const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
         valid = static_cast<uint32_t>(h.x) == code;
         if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
@@ -240,41 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         lid = __ldcg(reinterpret_cast<const int32_t*>(row + sizeof(RowHeader)) + lane);
         lw = __ldcg(reinterpret_cast<const float*>(row + sizeof(RowHeader) + 4 * k) + lane);
         if (lid < -1 || lid >= L.num_local) lid = -1;  // never trust an index from another process
-        if (lid < 0) lw = 0.f;
       }
-      if (lane < k) {
-        p.row_ids[row_index * k + lane] = lid;
-        p.row_w[row_index * k + lane] = lw;
-      }
-      if (!valid) {
-        if (L.batched && lane < k) p.row_slot[row_index * k + lane] = -1;
-        continue;
-      }
-      const uint8_t* payload = row + L.payload_offset;
-      const uint8_t* scales = row + L.scale_offset;
-      if (!L.batched) {
-        uint8_t** d = s_dst[warp];
-        if (lane == 0) d[0] = static_cast<uint8_t*>(p.out_x) + row_index * p.payload_bytes;
-        if (lane == 1 && p.scale_bytes > 0) d[1] = static_cast<uint8_t*>(p.out_scales) + row_index * p.scale_bytes;
-        __syncwarp();
-        warp_copy_multi<true>(payload, d, 1, p.payload_bytes, lane);
-        if (p.scale_bytes > 0) warp_copy_multi<true>(scales, d + 1, 1, p.scale_bytes, lane);
-      } else {
-        int slot = -1;
-        if (lid >= 0) slot = atomicAdd(p.counts + lid, 1);
-        const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
-        if (lane < k) p.row_slot[row_index * k + lane] = static_cast<int32_t>(flat);
-        const unsigned mask = __ballot_sync(kFull, lid >= 0);
-        const int nd = __popc(mask);
-        if (lid >= 0) {
-          const int j = __popc(mask & lanes_below(lane));
-          s_dst[warp][j] = static_cast<uint8_t*>(p.out_x) + flat * p.payload_bytes;
-          if (p.scale_bytes > 0) s_dst_s[warp][j] = static_cast<uint8_t*>(p.out_scales) + flat * p.scale_bytes;
-        }
-        __syncwarp();
-        warp_copy_multi<true>(payload, s_dst[warp], nd, p.payload_bytes, lane);
-        if (p.scale_bytes > 0) warp_copy_multi<true>(scales, s_dst_s[warp], nd, p.scale_bytes, lane);
-      }
+      const int n = place_row(p, row_index, lid, lw, dst, dst_s, lane);
+      warp_copy_multi<true>(row + L.payload_offset, dst, n, p.payload_bytes, lane);
+      if (p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
       __syncwarp();
     }
     __syncthreads();  // s_flag is reused for the next source

@@ -127,7 +127,10 @@ class KernelBackend(Protocol):
         """End the peers' current call with an error naming this rank (this rank's input was bad)."""
 
     def poll_errors(self) -> None:
-        """Raise what the device recorded, synchronising only when something was recorded."""
+        """Before a call: raise a recorded peer problem, synchronising only when there is one."""
+
+    def recoverable_pending(self) -> bool:
+        """Whether an earlier call dropped invalid ids (no synchronisation); raised after the next launch."""
 
     def check_errors(self) -> None:
         """Synchronise and raise whatever the device recorded."""

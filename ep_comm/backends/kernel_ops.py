@@ -16,13 +16,15 @@ of torch or nvcc at install time the extension is absent; ``unavailable_reason()
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from . import kernel_protocol as kp
 
-__all__ = ["extension", "unavailable_reason"]
+__all__ = ["extension", "unavailable_reason", "MappedWords"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +54,49 @@ def unavailable_reason() -> str:
     if not torch.cuda.is_available():
         return "needs CUDA (this torch has no usable GPU)"
     return _load()[1]
+
+
+class MappedWords:
+    """``kp.PENDING_WORDS`` int32 words of host memory the device writes and the host reads without
+    synchronising (``words``, a numpy view; ``device_ptr`` for the kernels).
+
+    Slots come from one process-wide page-locked arena that is never freed (freeing page-locked
+    memory would invalidate a CUDA graph being captured at that moment); ``release`` recycles a slot.
+    """
+
+    _lock = threading.Lock()
+    _free: list[int] = []
+    _next = 0
+
+    def __init__(self) -> None:
+        arena, base = _arena()
+        with MappedWords._lock:
+            if MappedWords._free:
+                slot = MappedWords._free.pop()
+            else:
+                slot = MappedWords._next
+                if (slot + 1) * kp.PENDING_WORDS > arena.shape[0]:
+                    raise RuntimeError(f"ep_comm: more than {arena.shape[0] // kp.PENDING_WORDS} live kernel-backend "
+                                       "communicators in one process")
+                MappedWords._next += 1
+        self._slot = slot
+        self.words: np.ndarray = arena[slot * kp.PENDING_WORDS: (slot + 1) * kp.PENDING_WORDS]
+        self.words[:] = 0
+        self.device_ptr = base + 4 * slot * kp.PENDING_WORDS
+
+    def release(self) -> None:
+        if self._slot is None:
+            return
+        self.words[:] = 0
+        with MappedWords._lock:
+            MappedWords._free.append(self._slot)
+        self._slot = None
+
+
+@functools.lru_cache(maxsize=None)
+def _arena() -> tuple[np.ndarray, int]:
+    tensor, base = extension().mapped_arena()
+    return tensor.numpy(), int(base)
 
 
 def _register_fakes() -> None:

@@ -26,7 +26,6 @@ from . import kernel_protocol as kp
 from .base import Availability, BackendContext
 
 NUM_SMS_ENV = "EP_COMM_NUM_SMS"
-_PENDING, _IDS_FLAG = 0, 1  # words of the host-mapped area
 
 
 @dataclasses.dataclass
@@ -52,14 +51,15 @@ class MnnvlBackend:
         self.num_sms = num_blocks
         dev = ctx.device
         self.state = torch.zeros(kp.state_numel(ctx.world_size), dtype=torch.int64, device=dev)
-        self._mapped, mapped_dev = kernel_ops.extension().alloc_mapped_int32(2)
-        self._mapped_np = self._mapped.numpy()
-        self._ids_flag_ptr = mapped_dev + 4 * _IDS_FLAG
+        self._mapped = kernel_ops.MappedWords()
+        self._flags = self._mapped.words
+        self._ids_flag_ptr = self._mapped.device_ptr + 4 * kp.PENDING_IDS_CHECK
         L = ctx.num_local_experts
         owners = torch.arange(ctx.cfg.num_experts, dtype=torch.int32)
         self.expert_owner = ((owners // L) * 65536 + owners % L).to(torch.int32).to(dev)
         self.peer_base = buffer.peer_ptrs
-        self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks, mapped_dev)
+        self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks,
+                                        self._mapped.device_ptr)
         self._fatal: Optional[EPError] = None
 
     # -- protocol ---------------------------------------------------------------------------------------
@@ -104,7 +104,10 @@ class MnnvlBackend:
             raise
 
     def close(self) -> None:
-        self.buffer.close()
+        try:
+            self.buffer.close()  # synchronises first, so no kernel still writes the mapped words
+        finally:
+            self._mapped.release()
 
     # -- data path ----------------------------------------------------------------------------------------
     def check_inputs(self, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> None:
@@ -119,10 +122,10 @@ class MnnvlBackend:
         """True when every id is in [-1, num_experts).  One device→host synchronisation."""
         if topk_ids.numel() == 0:
             return True
-        self._mapped_np[_IDS_FLAG] = 0
+        self._flags[kp.PENDING_IDS_CHECK] = 0
         torch.ops.ep_comm.check_ids(topk_ids, self.ctx.cfg.num_experts, self._ids_flag_ptr)
         torch.cuda.current_stream(self.ctx.device).synchronize()
-        return not bool(self._mapped_np[_IDS_FLAG])
+        return not bool(self._flags[kp.PENDING_IDS_CHECK])
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched:
@@ -156,11 +159,16 @@ class MnnvlBackend:
 
     # -- errors -------------------------------------------------------------------------------------------
     def poll_errors(self) -> None:
-        """Raise what the device recorded, without synchronising unless something was recorded."""
+        """Before a call: raise a recorded peer problem (the call sequence is broken, so the call must
+        not be launched).  Synchronises only when the device recorded one."""
         if self._fatal is not None:
             raise self._fatal
-        if self._mapped_np[_PENDING]:
+        if self._flags[kp.PENDING_FATAL]:
             self.check_errors()
+
+    def recoverable_pending(self) -> bool:
+        """Whether an earlier call dropped out-of-range ids (validation off), without synchronising."""
+        return bool(self._flags[kp.PENDING_RECOVERABLE])
 
     def check_errors(self) -> None:
         """Synchronise, then raise (and clear) whatever the kernels recorded."""
@@ -169,7 +177,7 @@ class MnnvlBackend:
         torch.cuda.synchronize(self.ctx.device)
         words = self.state[kp.STATE_COUNTERS:].view(torch.int32)
         report = kp.StatusReport.from_words(words.tolist(), self.ctx.world_size)
-        self._mapped_np[_PENDING] = 0
+        self._flags[kp.PENDING_FATAL] = self._flags[kp.PENDING_RECOVERABLE] = 0
         if report.empty:
             return
         words.zero_()

@@ -136,8 +136,35 @@ class _Resources:
     def __del__(self) -> None:
         if sys.is_finalizing():  # the driver may already be unloaded; the OS reclaims everything
             return
+        if not self._released and _capturing():
+            # release() synchronises and unmaps, which would invalidate the CUDA graph being captured
+            # right now: keep this alive until the next create/close outside a capture
+            _DEFERRED.append(self)
+            return
         try:
             self.release()
+        except Exception:
+            pass
+
+
+_DEFERRED: list[_Resources] = []
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _release_deferred() -> None:
+    """Release buffers dropped (without close) while a CUDA graph was being captured."""
+    if _capturing():
+        return
+    while _DEFERRED:
+        res = _DEFERRED.pop()
+        try:
+            res.release()
         except Exception:
             pass
 
@@ -202,6 +229,7 @@ class SymmetricBuffer:
         ``timeout_s``: limit for the same-host fd hand-over.
         Every rank must pass the same ``nbytes``.
         """
+        _release_deferred()
         ex = exchange_from(exchange)
         local_error = ""
         try:
@@ -394,6 +422,7 @@ class SymmetricBuffer:
         self._closed = True
         self._views = []
         self._res.release()
+        _release_deferred()
 
     @property
     def closed(self) -> bool:
