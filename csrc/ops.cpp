@@ -64,9 +64,8 @@ mnnvl::Common common(const at::Tensor& state, const at::Tensor& peer_base, const
 using DispatchOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 DispatchOut mnnvl_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                                       const c10::optional<at::Tensor>& x_scales, at::Tensor& state,
-                                       const at::Tensor& peer_base, const at::Tensor& expert_owner,
-                                       std::vector<int64_t> cfg) {
+                           const c10::optional<at::Tensor>& x_scales, at::Tensor& state, at::Tensor& work,
+                           const at::Tensor& peer_base, const at::Tensor& expert_owner, std::vector<int64_t> cfg) {
   const c10::cuda::CUDAGuard guard(x.device());
   mnnvl::DispatchParams p{};
   p.c = common(state, peer_base, cfg);
@@ -123,6 +122,12 @@ DispatchOut mnnvl_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, cons
   p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
   p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
   p.capacity = N;
+  TORCH_CHECK(work.is_cuda() && work.scalar_type() == at::kInt &&
+                  work.numel() >= static_cast<int64_t>(L.world) * L.num_local + static_cast<int64_t>(L.max_tokens) * (k + 1),
+              "ep_comm: bad dispatch workspace");
+  p.send_count = work.data_ptr<int32_t>();
+  p.self_slot = p.send_count + static_cast<int64_t>(L.world) * L.num_local;
+  p.self_ready = reinterpret_cast<uint32_t*>(p.self_slot + static_cast<int64_t>(L.max_tokens) * k);
   p.out_x = out_x.data_ptr();
   p.out_scales = p.scale_bytes ? out_s.data_ptr() : nullptr;
   p.row_ids = row_ids.data_ptr<int32_t>();
@@ -151,6 +156,13 @@ void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, cons
   p.row_slot = row_slot.numel() ? row_slot.data_ptr<int32_t>() : nullptr;
   p.dest = dest.data_ptr<int32_t>();
   p.num_tokens = static_cast<int>(dest.size(0));
+  // split rows so that every warp of the grid has a piece (latency of small batches)
+  const int64_t H = p.c.lay.hidden;
+  const int64_t warps = cfg[kCfgNumBlocks] * mnnvl::kWarps;
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(p.c.lay.world) * p.c.lay.max_tokens);
+  int64_t chunks = H % 8 == 0 ? std::max<int64_t>(1, std::min<int64_t>((warps + rows - 1) / rows, (H + 255) / 256)) : 1;
+  p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
+  p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);
   p.out = out.data_ptr();
   EP_CUDA_CHECK(mnnvl::launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
@@ -197,7 +209,8 @@ std::tuple<at::Tensor, int64_t> mapped_arena() {
 
 TORCH_LIBRARY(ep_comm, m) {
   m.def("mnnvl_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor? x_scales, Tensor(a!) state, "
-        "Tensor peer_base, Tensor expert_owner, int[] cfg) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor(b!) work, Tensor peer_base, Tensor expert_owner, int[] cfg) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("mnnvl_combine(Tensor expert_out, Tensor row_ids, Tensor row_w, Tensor row_slot, Tensor dest, "
         "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg) -> ()");
   m.def("mnnvl_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");

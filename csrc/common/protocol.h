@@ -77,20 +77,23 @@ enum : int {
   kCfgQuantFp8,
   kCfgOutDtype,      // dtype code of EPConfig.dtype (combine's transport and output)
   kCfgThreads,
+  kCfgCountsOffset0,
+  kCfgCountsOffset1,
   kCfgLen
 };
 
 // dtype codes shared with Python
 enum : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
-// Row meta of a dispatch row: 16-byte header, then int32 local ids [k] and float weights [k].
+// Row meta of a dispatch row: 16-byte header, then int32 local ids [k], float weights [k] and int32
+// slot indices [k] (the row's index among the rows this source sends to that local expert).
 struct RowHeader {
   uint32_t code;
   int32_t payload_bytes;
   int32_t scale_bytes;
   int32_t token;
 };
-EP_HD int row_meta_bytes(int top_k) { return (static_cast<int>(sizeof(RowHeader)) + 8 * top_k + 15) / 16 * 16; }
+EP_HD int row_meta_bytes(int top_k) { return (static_cast<int>(sizeof(RowHeader)) + 12 * top_k + 15) / 16 * 16; }
 
 constexpr int kMaxTopK = 32;
 

@@ -28,6 +28,8 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.dispatch_offset[1] = cfg[kCfgDispatchOffset1];
   l.combine_offset[0] = cfg[kCfgCombineOffset0];
   l.combine_offset[1] = cfg[kCfgCombineOffset1];
+  l.counts_offset[0] = cfg[kCfgCountsOffset0];
+  l.counts_offset[1] = cfg[kCfgCountsOffset1];
   l.combine_stride = cfg[kCfgCombineStride];
   l.timeout_ns = static_cast<uint64_t>(cfg[kCfgTimeoutNs]);
   l.pending = reinterpret_cast<int32_t*>(static_cast<uintptr_t>(cfg[kCfgPendingPtr]));
@@ -107,16 +109,18 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
   return r;
 }
 
-// Lanes j < k hold local expert id ``lid`` (-1: none) and weight ``lw`` of output row ``row``.  Writes
-// the row's ids and weights (and, batched, takes one slot per local expert) and leaves in ``dst`` /
-// ``dst_s`` the places its payload and scales go: the standard row, or one batched slot per expert.
-// Returns how many.  A row whose ids are all -1 is padding: ids written, nothing to copy.
-__device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, uint8_t** dst,
-                                         uint8_t** dst_s, int lane) {
+// Lanes j < k hold local expert id ``lid`` (-1: none), weight ``lw`` and, batched, the slot inside
+// that expert of output row ``row``.  Leaves in ``dst`` / ``dst_s`` where the row's payload and scales
+// go (the standard row, or one batched slot per expert) and returns how many; with ``write_ids`` also
+// writes the row's ids, weights and slots.  A row whose ids are all -1 is padding: nothing to copy.
+__device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, int slot,
+                                         bool write_ids, uint8_t** dst, uint8_t** dst_s, int lane) {
   const int k = p.c.lay.top_k;
-  if (lane < k) {
+  const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
+  if (write_ids && lane < k) {
     p.row_ids[row * k + lane] = lid;
     p.row_w[row * k + lane] = lid >= 0 ? lw : 0.f;
+    if (p.c.lay.batched) p.row_slot[row * k + lane] = static_cast<int32_t>(flat);
   }
   const unsigned mask = __ballot_sync(kFull, lid >= 0);
   if (!p.c.lay.batched) {
@@ -127,9 +131,6 @@ __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, i
     __syncwarp();
     return mask ? 1 : 0;
   }
-  const int slot = lid >= 0 ? atomicAdd(p.counts + lid, 1) : -1;
-  const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
-  if (lane < k) p.row_slot[row * k + lane] = static_cast<int32_t>(flat);
   if (lid >= 0) {
     const int j = __popc(mask & lanes_below(lane));
     dst[j] = static_cast<uint8_t*>(p.out_x) + flat * p.payload_bytes;
@@ -139,27 +140,25 @@ __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, i
   return __popc(mask);
 }
 
-// Copy (or quantise) token t of this rank's x, bytes [lo, hi) of its wire payload, to ``nd`` rows.
-// ``dst`` point at the payload and ``dst_s`` at the scales of each row (scales written with lo == 0).
+// Bytes [lo, hi) of token t's wire payload (quantised from x when kQuant >= 0) to ``nd`` rows whose
+// payload starts at dst[i] and scales at dst_s[i]; the piece with lo == 0 also carries the scales.
 template <int kQuant>
 __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
                                              uint8_t** dst_s, int nd, int lane) {
   using QuantIn = typename std::conditional<kQuant == kFp16, __half,
                   typename std::conditional<kQuant == kFp32, float, __nv_bfloat16>::type>::type;
   if (nd == 0) return;
+  if (lane < nd) {
+    dst[lane] += lo;
+    if (kQuant >= 0) dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
+  }
+  __syncwarp();
   if (kQuant >= 0) {
-    // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle chunks
-    if (lane < nd) {
-      dst[lane] += lo;
-      dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
-    }
-    __syncwarp();
+    // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle pieces
     const QuantIn* src = static_cast<const QuantIn*>(p.x) + static_cast<int64_t>(t) * p.c.lay.hidden + lo;
     warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
                                   lane);
   } else {
-    if (lane < nd) dst[lane] += lo;
-    __syncwarp();
     const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.payload_bytes + lo;
     warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
     if (lo == 0 && p.scale_bytes > 0) {
@@ -170,6 +169,19 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
   __syncwarp();
 }
 
+__device__ __forceinline__ bool wait_u32(const uint32_t* p, uint32_t want, uint64_t deadline, const ErrorSink& err) {
+  uint32_t spins = 0;
+  while (true) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v == want) return true;
+    if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
+      err.count(kStatusLocalStall, 1);
+      return false;
+    }
+  }
+}
+
 template <int kQuant, bool kIds64>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
   const Layout& L = p.c.lay;
@@ -178,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int gwarp = blockIdx.x * kWarps + warp;
   const int nwarps = gridDim.x * kWarps;
   const int k = L.top_k;
+  const int nl = L.num_local;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
   const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
@@ -187,22 +200,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
   __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
+  extern __shared__ int s_prefix[];  // [2 * num_local]: slot base per expert, this source's counts
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
 
-  // batched slots are taken with atomics on counts from the send phase on: zero them first
-  unsigned long long* const zeroed = p.c.counters + kStateZeroed;
-  if (L.batched && blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < L.num_local; e += blockDim.x) p.counts[e] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicExch(zeroed, static_cast<unsigned long long>(code));
-    }
-  }
-
-  // ---- send: one copy of each token per remote destination rank, at [this rank][t] of that rank's
-  // region; this rank's own share goes straight into the output layout (no second pass over it)
+  // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
+  // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
   const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
   for (int64_t item = gwarp; item < items; item += nwarps) {
     const int t = static_cast<int>(item / p.chunks);
@@ -212,9 +215,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const bool remote = leader && r.owner_rank != L.rank;
     const unsigned remote_mask = __ballot_sync(kFull, remote);
     const int n_remote = __popc(remote_mask);
-    if (chunk == 0) {  // the token's destination list, for combine
+    const bool own = r.keep && r.owner_rank == L.rank;
+    const bool has_own = __ballot_sync(kFull, own) != 0;
+    int slot = -1;  // index of this (token, expert) among the rows sent to that expert
+    if (chunk == 0) {
       if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
       if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
+      if (r.keep) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
+      if (L.batched && p.chunks > 1 && has_own) {  // the other pieces' warps need the own slots
+        if (lane < k) p.self_slot[static_cast<int64_t>(t) * k + lane] = own ? slot : -1;
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence();
+          atomicExch(p.self_ready + t, code);
+        }
+      }
     }
     if (remote) {
       const int i = __popc(remote_mask & lanes_below(lane));
@@ -231,8 +246,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         const int dst_rank = s_dst_rank[warp][i];
         if (lane < k) {
           const bool mine = r.keep && r.owner_rank == dst_rank;
-          reinterpret_cast<int32_t*>(row + sizeof(RowHeader))[lane] = mine ? r.local : -1;
-          reinterpret_cast<float*>(row + sizeof(RowHeader) + 4 * k)[lane] = mine ? r.weight : 0.f;
+          int32_t* meta = reinterpret_cast<int32_t*>(row + sizeof(RowHeader));
+          meta[lane] = mine ? r.local : -1;
+          reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
+          meta[2 * k + lane] = mine ? slot : -1;
         }
         if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
           *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
@@ -241,87 +258,123 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       }
     }
     const int64_t lo = chunk * p.chunk_bytes;
-    send_payload<kQuant>(p, t, lo, min(p.payload_bytes, lo + p.chunk_bytes), dst, dst_s, n_remote, lane);
+    const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote, lane);
 
-    if (chunk == 0) {  // own share: the whole row, by the chunk-0 warp (chunks must agree on slots)
-      if (L.batched && lane == 0) {
-        uint32_t spins = 0;
-        while (ld_acquire_gpu(zeroed) != static_cast<unsigned long long>(code)) {
-          if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
-            err.count(kStatusLocalStall, 1);
-            break;
-          }
-        }
+    // own share: this rank's source comes first in its own batched layout, so slot = index
+    const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+    if (has_own) {
+      if (L.batched && chunk > 0) {
+        if (lane == 0) wait_u32(p.self_ready + t, code, deadline, err);
+        __syncwarp();
+        slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
       }
-      __syncwarp();
-      const int lid = r.keep && r.owner_rank == L.rank ? r.local : -1;
-      const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
-      const int n = place_row(p, row, lid, r.weight, dst, dst_s, lane);
-      send_payload<kQuant>(p, t, 0, p.payload_bytes, dst, dst_s, n, lane);
+      const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
+      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane);
+    } else if (chunk == 0) {
+      place_row(p, row, -1, 0.f, -1, true, dst, dst_s, lane);  // padding
     }
   }
 
-  // ---- signal: the last block to arrive releases every peer's flag for this source
+  // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
-  if (a.last) signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+  if (a.last) {
+    for (int i = threadIdx.x; i < L.world * nl; i += blockDim.x) {
+      const int peer = i / nl;
+      int32_t* counts = reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]);
+      counts[L.rank * nl + i % nl] = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
+      p.send_count[i] = 0;  // ready for the next call
+    }
+    __syncthreads();
+    signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+  }
   if (!a.ok) return;
   if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
 
-  // ---- receive: peers' rows [src][t] of our region into the output layout; own rows past T are padding
+  // ---- receive: sources in the order own, rank+1, rank+2, ...; a source's rows of expert e take the
+  // slots after every earlier source's (prefix of the published counts)
   __shared__ uint64_t s_flag;
-  uint8_t* const own = peer_ptr(p.c, L.rank);
+  int* const s_base = s_prefix;
+  int* const s_count = s_prefix + nl;
+  for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] = 0;
+  uint8_t* const own_buf = peer_ptr(p.c, L.rank);
+  const int32_t* const counts = reinterpret_cast<const int32_t*>(own_buf + L.counts_offset[parity]);
   for (int i = 0; i < L.world; ++i) {
     const int src = (L.rank + i) % L.world;
-    int first = 0, src_tokens = p.num_tokens;
-    if (src != L.rank) {
-      if (threadIdx.x == 0) {
-        const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
-        uint64_t v = wait_flag(flag, code, src, deadline, err);
-        if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
-          if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
-          v = (static_cast<uint64_t>(L.max_tokens) << 32) | static_cast<uint32_t>(v);
-        }
-        s_flag = v;
+    if (threadIdx.x == 0) {
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
+      uint64_t v = wait_flag(flag, code, src, deadline, err);
+      if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
+        if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
+        v = 0;
       }
-      __syncthreads();
-      src_tokens = static_cast<int>(s_flag >> 32);  // 0 when the source failed
+      s_flag = v;
+    }
+    __syncthreads();
+    const bool arrived = s_flag != 0;
+    const int src_tokens = static_cast<int>(s_flag >> 32);
+    for (int e = threadIdx.x; e < nl; e += blockDim.x)
+      s_count[e] = arrived ? __ldcg(counts + static_cast<int64_t>(src) * nl + e) : 0;
+    __syncthreads();
+    if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
+      for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
+        place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
     } else {
-      first = p.num_tokens;  // rows below T were laid out while sending
-    }
-    const uint8_t* region = own + L.dispatch_offset[parity] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
-    for (int t = first + gwarp; t < L.max_tokens; t += nwarps) {
-      const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
-      const uint8_t* row = region + t * L.row_stride;
-      bool valid = false;
-      if (src != L.rank && t < src_tokens) {
-        const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
-        valid = static_cast<uint32_t>(h.x) == code;
-        if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
-          if (lane == 0) {
-            err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
-            err.count(kStatusRowFormat, 1);
+      const uint8_t* region =
+          own_buf + L.dispatch_offset[parity] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+      const int64_t src_items = static_cast<int64_t>(L.max_tokens) * p.chunks;
+      for (int64_t item = gwarp; item < src_items; item += nwarps) {
+        const int t = static_cast<int>(item / p.chunks);
+        const int chunk = static_cast<int>(item % p.chunks);
+        const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
+        const uint8_t* row = region + t * L.row_stride;
+        bool valid = false;
+        if (t < src_tokens) {
+          const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
+          valid = static_cast<uint32_t>(h.x) == code;
+          if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
+            if (lane == 0 && chunk == 0) {
+              err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
+              err.count(kStatusRowFormat, 1);
+            }
+            valid = false;
           }
-          valid = false;
         }
+        if (!valid && chunk > 0) continue;
+        int lid = -1, slot = -1;
+        float lw = 0.f;
+        if (valid && lane < k) {
+          const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+          lid = __ldcg(meta + lane);
+          lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
+          const int idx = __ldcg(meta + 2 * k + lane);
+          // never trust an index from another process: out of range means dropped
+          if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[lid]))) lid = -1;
+          else slot = s_base[lid] + idx;
+        }
+        const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
+        if (n == 0) continue;
+        const int64_t lo = chunk * p.chunk_bytes;
+        const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+        if (lane < n) dst[lane] += lo;
+        __syncwarp();
+        warp_copy_multi<true>(row + L.payload_offset + lo, dst, n, hi - lo, lane);
+        if (chunk == 0 && p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
+        __syncwarp();
       }
-      int lid = -1;
-      float lw = 0.f;
-      if (valid && lane < k) {
-        lid = __ldcg(reinterpret_cast<const int32_t*>(row + sizeof(RowHeader)) + lane);
-        lw = __ldcg(reinterpret_cast<const float*>(row + sizeof(RowHeader) + 4 * k) + lane);
-        if (lid < -1 || lid >= L.num_local) lid = -1;  // never trust an index from another process
-      }
-      const int n = place_row(p, row_index, lid, lw, dst, dst_s, lane);
-      warp_copy_multi<true>(row + L.payload_offset, dst, n, p.payload_bytes, lane);
-      if (p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
-      __syncwarp();
     }
-    __syncthreads();  // s_flag is reused for the next source
+    __syncthreads();
+    for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] += s_count[e];
+    __syncthreads();
   }
+  if (L.batched && blockIdx.x == 0)
+    for (int e = threadIdx.x; e < nl; e += blockDim.x) p.counts[e] = s_base[e];
 }
 
 // ---- combine ------------------------------------------------------------------------------------------
+constexpr int kUnroll = 4;  // 8-element vectors in flight per lane
+
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
@@ -331,20 +384,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const int nwarps = gridDim.x * kWarps;
   const int k = L.top_k;
   const int H = L.hidden;
-  const int vec_end = H % 8 == 0 ? H : 0;  // rows are 16-byte aligned only then; else element by element
+  const bool vec = H % 8 == 0;  // rows are 16-byte aligned only then; else element by element
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
   const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
   const uint32_t code = make_code(seq, kOpCombine);
   const int parity = static_cast<int>(seq & 1);
 
-  __shared__ int64_t s_src_row[kWarps][kMaxTopK];
+  __shared__ const Tin* s_src[kWarps][kMaxTopK];
   __shared__ float s_w[kWarps][kMaxTopK];
+  __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
   // ---- send: one partial per (token, owner rank), to [this rank][t] of the owner's combine region
   const int64_t n_rows = static_cast<int64_t>(L.world) * L.max_tokens;
-  for (int64_t r = gwarp; r < n_rows; r += nwarps) {
+  for (int64_t item = gwarp; item < n_rows * p.chunks; item += nwarps) {
+    const int64_t r = item / p.chunks;
+    const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
+    const int hi = min(H, lo + p.chunk_elems);
     const int src = static_cast<int>(r / L.max_tokens);
     const int t = static_cast<int>(r % L.max_tokens);
     const int lid = lane < k ? p.row_ids[r * k + lane] : -1;
@@ -352,40 +409,49 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     if (mask == 0) continue;  // padding: never read, whatever it holds
     Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
                                         (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
-    if (!L.batched) {
-      const Tin* s = eo + r * H;
-      for (int c = lane * 8; c < vec_end; c += 8 * kWarpSize) {
-        float f[8];
-        Vec8<Tin>::load(s + c, f);
-        Vec8<Tout>::store(dst + c, f);
-      }
-      for (int c = vec_end + lane; c < H; c += kWarpSize) dst[c] = from_float<Tout>(to_float<Tin>(s[c]));
-    } else {
-      const int n = __popc(mask);
+    int n = 1;
+    if (L.batched) {
+      n = __popc(mask);
       if (lid >= 0) {
         const int j = __popc(mask & lanes_below(lane));
-        s_src_row[warp][j] = static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
+        s_src[warp][j] = eo + static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
         s_w[warp][j] = p.row_w[r * k + lane];
       }
-      __syncwarp();
-      for (int c = lane * 8; c < vec_end; c += 8 * kWarpSize) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    } else if (lane == 0) {
+      s_src[warp][0] = eo + r * H;
+      s_w[warp][0] = 1.f;  // standard rows are already weighted
+    }
+    __syncwarp();
+    if (vec) {
+      for (int c0 = lo + lane * 8; c0 < hi; c0 += 8 * kWarpSize * kUnroll) {
+        float acc[kUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
         for (int j = 0; j < n; ++j) {
-          float f[8];
-          Vec8<Tin>::load(eo + s_src_row[warp][j] + c, f);
+          float f[kUnroll][8];
           const float w = s_w[warp][j];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, f[e], acc[e]);
+          for (int u = 0; u < kUnroll; ++u)
+            if (c0 + u * 8 * kWarpSize < hi) Vec8<Tin>::load(s_src[warp][j] + c0 + u * 8 * kWarpSize, f[u]);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u][e] = fmaf(w, f[u][e], acc[u][e]);
         }
-        Vec8<Tout>::store(dst + c, acc);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::store(dst + c0 + u * 8 * kWarpSize, acc[u]);
       }
-      for (int c = vec_end + lane; c < H; c += kWarpSize) {
+    } else {
+      for (int c = lo + lane; c < hi; c += kWarpSize) {
         float acc = 0.f;
-        for (int j = 0; j < n; ++j) acc = fmaf(s_w[warp][j], to_float<Tin>(eo[s_src_row[warp][j] + c]), acc);
+        for (int j = 0; j < n; ++j) acc = fmaf(s_w[warp][j], to_float<Tin>(s_src[warp][j][c]), acc);
         dst[c] = from_float<Tout>(acc);
       }
-      __syncwarp();
     }
+    __syncwarp();
   }
 
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
@@ -396,44 +462,57 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   }
 
   // ---- receive: wait for every rank's partials, then sum them per own token in float32
-  __shared__ int s_ok;
   uint8_t* const own = peer_ptr(p.c, L.rank);
   if (threadIdx.x == 0) {
-    int ok = 1;
     for (int i = 0; i < L.world; ++i) {
       const int src = (L.rank + i) % L.world;
       const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
-      if (wait_flag(flag, code, src, deadline, err) == 0) ok = 0;
+      wait_flag(flag, code, src, deadline, err);
     }
-    s_ok = ok;
   }
   __syncthreads();
   const uint8_t* region = own + L.combine_offset[parity];
   Tout* out = static_cast<Tout*>(p.out);
-  for (int t = gwarp; t < p.num_tokens; t += nwarps) {
+  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps) {
+    const int t = static_cast<int>(item / p.chunks);
+    const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
+    const int hi = min(H, lo + p.chunk_elems);
     const int d = lane < k ? p.dest[static_cast<int64_t>(t) * k + lane] : -1;
     const unsigned mask = __ballot_sync(kFull, d >= 0);
     const int n = __popc(mask);
     if (d >= 0) {
-      s_src_row[warp][__popc(mask & lanes_below(lane))] =
-          (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride;
+      s_part[warp][__popc(mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
+          region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
     }
     __syncwarp();
-    for (int c = lane * 8; c < vec_end; c += 8 * kWarpSize) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < n; ++j) {
-        float f[8];
-        Vec8<Tout>::load_cg(reinterpret_cast<const Tout*>(region + s_src_row[warp][j]) + c, f);
+    Tout* o = out + static_cast<int64_t>(t) * H;
+    if (vec) {
+      for (int c0 = lo + lane * 8; c0 < hi; c0 += 8 * kWarpSize * kUnroll) {
+        float acc[kUnroll][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += f[e];
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+        for (int j = 0; j < n; ++j) {
+          float f[kUnroll][8];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::load_cg(s_part[warp][j] + c0 + u * 8 * kWarpSize, f[u]);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u][e] += f[u][e];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::store(o + c0 + u * 8 * kWarpSize, acc[u]);
       }
-      Vec8<Tout>::store(out + static_cast<int64_t>(t) * H + c, acc);
-    }
-    for (int c = vec_end + lane; c < H; c += kWarpSize) {
-      float acc = 0.f;
-      for (int j = 0; j < n; ++j)
-        acc += to_float<Tout>(reinterpret_cast<const Tout*>(region + s_src_row[warp][j])[c]);
-      out[static_cast<int64_t>(t) * H + c] = from_float<Tout>(acc);
+    } else {
+      for (int c = lo + lane; c < hi; c += kWarpSize) {
+        float acc = 0.f;
+        for (int j = 0; j < n; ++j) acc += to_float<Tout>(s_part[warp][j][c]);
+        o[c] = from_float<Tout>(acc);
+      }
     }
     __syncwarp();
   }
@@ -460,10 +539,11 @@ __global__ void check_ids_kernel(const void* ids, int64_t n, int num_experts, in
 cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_int64, int num_blocks,
                             cudaStream_t stream) {
   const dim3 grid(num_blocks), block(kThreads);
+  const size_t smem = 2 * sizeof(int) * static_cast<size_t>(p.c.lay.num_local);
 #define EP_DISPATCH(Q)                                                                          \
   do {                                                                                          \
-    if (ids_int64) dispatch_kernel<Q, true><<<grid, block, 0, stream>>>(p);                     \
-    else dispatch_kernel<Q, false><<<grid, block, 0, stream>>>(p);                              \
+    if (ids_int64) dispatch_kernel<Q, true><<<grid, block, smem, stream>>>(p);                  \
+    else dispatch_kernel<Q, false><<<grid, block, smem, stream>>>(p);                           \
   } while (0)
   switch (quant_dtype) {
     case kBf16: EP_DISPATCH(kBf16); break;

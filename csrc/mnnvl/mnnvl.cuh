@@ -4,7 +4,9 @@
 // number, advanced on the device so CUDA-graph replays advance it too):
 //   flags    [2][world] u64      flag of (parity, source rank): code(seq, op) | T << 32
 //   dispatch [world][max_tokens] rows of row_stride bytes: RowHeader | local ids[k] | weights[k] |
-//                                 payload | scales; source s writes its token t at [s][t]
+//                                 slot indices[k] | payload | scales; source s writes token t at [s][t]
+//   counts   [world][num_local] int32: how many rows source s sent for each local expert (the
+//                                 receiver's prefix over sources turns slot indices into batched slots)
 //   combine  [world][max_tokens] rows of combine_stride bytes: the partial output of token t that
 //                                 rank s computed, written by s at [s][t] of the token's owner
 // A rank may start call seq+2 only after every peer signalled call seq+1, which a peer does only
@@ -22,11 +24,12 @@ namespace mnnvl {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxLocalExperts = 4096;  // per-block prefix arrays in dynamic shared memory
 
 struct Layout {
   int rank, world, max_tokens, num_experts, num_local, top_k, hidden, batched;
   int64_t row_stride, payload_offset, scale_offset, payload_max, scale_max;
-  int64_t flags_offset, dispatch_offset[2], combine_offset[2], combine_stride;
+  int64_t flags_offset, dispatch_offset[2], combine_offset[2], counts_offset[2], combine_stride;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped
 };
@@ -53,6 +56,9 @@ struct DispatchParams {
   int64_t payload_bytes;        // bytes per row on the wire
   int64_t scale_bytes;
   int64_t capacity;             // rows per expert (batched)
+  int32_t* send_count;          // [world][L] workspace: rows sent per (destination, local expert), zero between calls
+  int32_t* self_slot;           // [max_tokens][k] workspace: own tokens' batched slots, for the chunk warps
+  uint32_t* self_ready;         // [max_tokens] workspace: code of the call whose self_slot row is written
   void* out_x;                  // standard [N, payload]; batched [L, capacity, payload]
   void* out_scales;             // same leading dims, scale_bytes per row, or null
   int32_t* row_ids;             // [N, k] local expert ids (-1: none / padding)
@@ -70,6 +76,8 @@ struct CombineParams {
   const int32_t* row_slot;
   const int32_t* dest;
   int num_tokens;
+  int chunks;          // pieces each row is split into (latency of small batches)
+  int chunk_elems;     // elements per piece (a multiple of 256 unless chunks == 1)
   void* out;  // [T, hidden] of the transport dtype
 };
 

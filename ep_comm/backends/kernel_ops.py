@@ -4,7 +4,7 @@ The ops (C++ in ``csrc/ops.cpp``) launch on the current stream and never synchro
 captured in CUDA graphs; the fake implementations below give ``torch.compile`` their output shapes,
 so a compiled function traces through them without a graph break.
 
-    mnnvl_dispatch(x, topk_ids, topk_weights, x_scales?, state!, peer_base, expert_owner, cfg)
+    mnnvl_dispatch(x, topk_ids, topk_weights, x_scales?, state!, work!, peer_base, expert_owner, cfg)
         -> (out_x, out_scales, row_ids, row_w, row_slot, counts, dest)
     mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg) -> ()
     mnnvl_abort(state!, peer_base, cfg) -> ()
@@ -103,7 +103,7 @@ def _register_fakes() -> None:
     lib = "ep_comm::"
 
     @torch.library.register_fake(lib + "mnnvl_dispatch")
-    def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, peer_base, expert_owner, cfg: Sequence[int]):
+    def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, work, peer_base, expert_owner, cfg: Sequence[int]):
         world, max_tokens, k = cfg[kp.WORLD], cfg[kp.MAX_TOKENS], cfg[kp.TOP_K]
         local, hidden, batched = cfg[kp.NUM_LOCAL], cfg[kp.HIDDEN], bool(cfg[kp.BATCHED])
         n = world * max_tokens

@@ -16,7 +16,7 @@ from ..config import EPConfig
 (RANK, WORLD, MAX_TOKENS, NUM_EXPERTS, NUM_LOCAL, TOP_K, HIDDEN, BATCHED, NUM_BLOCKS, ROW_STRIDE,
  PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
  COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
- OUT_DTYPE, THREADS, CFG_LEN) = range(27)
+ OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, CFG_LEN) = range(29)
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -30,6 +30,7 @@ PENDING_FATAL, PENDING_IDS_CHECK, PENDING_RECOVERABLE, PENDING_WORDS = 0, 1, 2, 
 OP_NAMES = {1: "dispatch", 2: "combine", 3: "abort"}
 
 MAX_TOP_K = 32
+MAX_LOCAL_EXPERTS = 4096
 THREADS_PER_BLOCK = 512
 ROW_HEADER_BYTES = 16
 
@@ -73,6 +74,7 @@ class BufferLayout:
     flags_offset: int
     dispatch_offset: tuple[int, int]
     combine_offset: tuple[int, int]
+    counts_offset: tuple[int, int]
     nbytes: int
 
     @property
@@ -82,20 +84,27 @@ class BufferLayout:
     @classmethod
     def for_config(cls, cfg: EPConfig, world: int) -> "BufferLayout":
         k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
-        meta = _align(ROW_HEADER_BYTES + 8 * k)
+        meta = _align(ROW_HEADER_BYTES + 12 * k)
         payload_max = hidden * cfg.dtype.itemsize
         scale_max = _align(max(4 * -(-hidden // 128), hidden // 4, 64))
         row_stride = meta + _align(payload_max) + scale_max
         combine_stride = _align(hidden * cfg.dtype.itemsize)
         flags = _align(2 * world * 8, 256)
+        counts = _align(world * (cfg.num_experts // world) * 4, 256)
         dispatch = world * max_t * row_stride
         combine = world * max_t * combine_stride
-        d0 = flags
+        n0 = flags
+        n1 = n0 + counts
+        d0 = n1 + counts
         c0 = d0 + dispatch
         d1 = c0 + combine
         c1 = d1 + dispatch
         return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, (d0, d1),
-                   (c0, c1), c1 + combine)
+                   (c0, c1), (n0, n1), c1 + combine)
+
+    def work_numel(self, num_local: int) -> int:
+        """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
+        return self.world * num_local + self.max_tokens * (self.top_k + 1)
 
 
 def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, num_blocks: int,
@@ -110,6 +119,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[DISPATCH_OFFSET0], v[DISPATCH_OFFSET1] = layout.dispatch_offset
     v[COMBINE_OFFSET0], v[COMBINE_OFFSET1] = layout.combine_offset
     v[COMBINE_STRIDE] = layout.combine_stride
+    v[COUNTS_OFFSET0], v[COUNTS_OFFSET1] = layout.counts_offset
     v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[PENDING_PTR] = pending_ptr
     v[COUNT_INVALID] = int(not cfg.validate_ids)

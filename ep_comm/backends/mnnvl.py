@@ -51,6 +51,7 @@ class MnnvlBackend:
         self.num_sms = num_blocks
         dev = ctx.device
         self.state = torch.zeros(kp.state_numel(ctx.world_size), dtype=torch.int64, device=dev)
+        self.work = torch.zeros(layout.work_numel(ctx.num_local_experts), dtype=torch.int32, device=dev)
         self._mapped = kernel_ops.MappedWords()
         self._flags = self._mapped.words
         self._ids_flag_ptr = self._mapped.device_ptr + 4 * kp.PENDING_IDS_CHECK
@@ -72,6 +73,9 @@ class MnnvlBackend:
             return Availability(False, why)
         if ctx.cfg.top_k > kp.MAX_TOP_K:
             return Availability(False, f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {kp.MAX_TOP_K}")
+        if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
+            return Availability(False, f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of "
+                                       f"{kp.MAX_LOCAL_EXPERTS}")
         caps = probe_capabilities(ctx.device.index)
         if not caps.cuda or not caps.vmm_supported:
             return Availability(False, f"cuMem VMM unusable on this GPU ({caps.reason or 'VMM not supported'})")
@@ -130,7 +134,7 @@ class MnnvlBackend:
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched:
         out_x, out_s, row_ids, row_w, row_slot, counts, dest = torch.ops.ep_comm.mnnvl_dispatch(
-            x, topk_ids, topk_weights, x_scales, self.state, self.peer_base, self.expert_owner, self.cfg_vec)
+            x, topk_ids, topk_weights, x_scales, self.state, self.work, self.peer_base, self.expert_owner, self.cfg_vec)
         has_scales = self.ctx.cfg.quant == "fp8" or x_scales is not None
         handle = KernelHandle(row_ids, row_w, row_slot, dest)
         scales = out_s if has_scales else None

@@ -40,6 +40,7 @@ def test_config_indices_match_the_header():
                        "THREADS", "COMBINE_STRIDE")}
     names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
     names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
+    names["kCfgCountsOffset0"], names["kCfgCountsOffset1"] = kp.COUNTS_OFFSET0, kp.COUNTS_OFFSET1
     names["kCfgLen"] = kp.CFG_LEN
     names["kCfgTopK"] = kp.TOP_K
     assert {n: cfg[n] for n in names} == names
@@ -58,7 +59,8 @@ def test_status_and_state_layout_match_the_header():
         "kReasonTimeout": kp.REASON_TIMEOUT, "kReasonMismatch": kp.REASON_MISMATCH,
         "kReasonAbort": kp.REASON_ABORT, "kReasonFormat": kp.REASON_FORMAT}
     assert "kMaxTopK = %d;" % kp.MAX_TOP_K in text
-    assert "kThreads = %d;" % kp.THREADS_PER_BLOCK in (HEADER.parent.parent / "mnnvl" / "mnnvl.cuh").read_text()
+    cuh = (HEADER.parent.parent / "mnnvl" / "mnnvl.cuh").read_text()
+    assert "kThreads = %d;" % kp.THREADS_PER_BLOCK in cuh and "kMaxLocalExperts = %d;" % kp.MAX_LOCAL_EXPERTS in cuh
 
 
 @pytest.mark.parametrize("world,layout,dtype", [(2, "standard", torch.bfloat16), (8, "batched", torch.float32),
@@ -69,6 +71,7 @@ def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype):
     lay = kp.BufferLayout.for_config(cfg, world)
     spans = [(lay.flags_offset, 2 * world * 8)]
     for p in (0, 1):
+        spans.append((lay.counts_offset[p], world * 12 * 4))
         spans.append((lay.dispatch_offset[p], world * 37 * lay.row_stride))
         spans.append((lay.combine_offset[p], world * 37 * lay.combine_stride))
     spans.sort()
@@ -77,7 +80,7 @@ def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype):
     assert spans[-1][0] + spans[-1][1] == lay.nbytes
     assert all(off % 16 == 0 for off, _ in spans)
     assert lay.row_stride % 16 == 0 and lay.combine_stride % 16 == 0 and lay.meta_bytes % 16 == 0
-    assert lay.meta_bytes >= kp.ROW_HEADER_BYTES + 8 * cfg.top_k
+    assert lay.meta_bytes >= kp.ROW_HEADER_BYTES + 12 * cfg.top_k
     assert lay.scale_offset >= lay.meta_bytes + lay.payload_max
     assert lay.scale_max >= 4 * (7168 // 128)  # fp8 scales fit
     vec = kp.config_vector(cfg, 1, world, lay, 24, 0)

@@ -262,8 +262,8 @@ def compile_worker() -> dict:
         mine = inputs[rank].to(comm.device)
 
         def through_ops(x, ids, w):  # the ops themselves, compiled whole
-            o = torch.ops.ep_comm.mnnvl_dispatch(x, ids, w, None, impl.state, impl.peer_base, impl.expert_owner,
-                                                 impl.cfg_vec)
+            o = torch.ops.ep_comm.mnnvl_dispatch(x, ids, w, None, impl.state, impl.work, impl.peer_base,
+                                                 impl.expert_owner, impl.cfg_vec)
             return o[5], o[0].float().sum()
 
         counts, _ = torch.compile(through_ops, fullgraph=True)(mine.x, mine.topk_ids, mine.topk_weights)
