@@ -38,7 +38,8 @@ class EPConfig:
 
     Rank ``r`` owns global experts ``[r*L, (r+1)*L)`` with ``L = num_experts // world_size``.
     ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
-    ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS`` or 24.
+    ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS``, else 64
+    when ``max_tokens_per_rank <= 256`` (decode) and 24 above (prefill).
     ``validate_ids``: eager kernel-backend calls check expert ids on the host first (one device→host
     sync per dispatch) and raise ``EPInputError`` before anything moves; False skips that sync, the
     kernel then treats out-of-range ids as -1, counts them and the next call or ``check_errors()``

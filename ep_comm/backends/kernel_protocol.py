@@ -158,9 +158,20 @@ class StatusReport:
                     or any(self.reasons))
 
 
+DECODE_MAX_TOKENS = 256  # up to this many tokens per rank, the default SM count is the decode one
+DECODE_SMS, PREFILL_SMS = 64, 24
+
+
 def default_num_blocks(cfg: EPConfig, device: torch.device, env_value: Optional[str]) -> int:
-    """SMs (one block each) the kernels use: ``cfg.num_sms``, else ``$EP_COMM_NUM_SMS``, else 24;
-    never more than the GPU has (every block must be resident: blocks wait for each other)."""
+    """SMs (one block each) the kernels use: ``cfg.num_sms``, else ``$EP_COMM_NUM_SMS``, else 64 for
+    decode-sized communicators (``max_tokens_per_rank <= 256``: latency-bound, more warps in flight
+    help) and 24 for prefill (bandwidth-bound: 24 SMs leave the rest to the engine's GEMMs).  Never
+    more than the GPU has: every block must be resident, since blocks wait for each other."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = cfg.num_sms if cfg.num_sms is not None else int(env_value) if env_value else 24
+    if cfg.num_sms is not None:
+        want = cfg.num_sms
+    elif env_value:
+        want = int(env_value)
+    else:
+        want = DECODE_SMS if cfg.max_tokens_per_rank <= DECODE_MAX_TOKENS else PREFILL_SMS
     return max(1, min(int(want), sms))
