@@ -154,6 +154,8 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
              f"top-{args.topk} of {args.experts} experts, {args.dtype}, quant {args.quant}, {args.routing} routing, "
              f"{args.mode} mode, {args.iters} iters in {args.sets} sets after {args.warmup} warm-up")
     progress = _Progress(env, args)
+    if args.phase_times:
+        phases.on_start = lambda name: progress(f"  {name}")
     report = Reporter(env, args, baseline_backend, with_peer=bool(args.peer))
     peers = None
     if args.peer:

@@ -26,6 +26,7 @@ from ..errors import EPError
 from ..layouts import Dispatched
 from . import DTYPES
 from .launcher import RankEnv, gather_objects, host_barrier
+from .phases import Phases
 
 
 def bench_config(args: argparse.Namespace, tokens: int, layout: str, backend: str,
@@ -266,7 +267,7 @@ class LinedUp:
         host_barrier(self.env)
         self.seconds += time.perf_counter() - t0
 
-    def book(self, phases, name: str, t_start: float) -> None:
+    def book(self, phases: Phases, name: str, t_start: float) -> None:
         """Charge the loop since ``t_start`` to ``name``, minus the barriers (charged to ``barrier``)."""
         phases.add(name, time.perf_counter() - t_start - self.seconds)
         phases.add("barrier", self.seconds)
@@ -274,13 +275,14 @@ class LinedUp:
 
 
 def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet], args: argparse.Namespace,
-               phases) -> tuple[list[float], list[float]]:
+               phases: Phases) -> tuple[list[float], list[float]]:
     """Per-op µs of eager dispatch and combine; ranks line up on the host before every pair."""
     cache: dict = {}
     with phases("warmup"):
         for _ in range(args.warmup):
             d = comm.dispatch(sets[0].inp.x, sets[0].inp.topk_ids, sets[0].inp.topk_weights, sets[0].inp.x_scales)
             comm.combine(_expert_buffer(cache, cfg, d, env.device), d)
+    phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
     for rs, n in zip(sets, split_iters(args)):
@@ -299,7 +301,7 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
 
 
 def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet], args: argparse.Namespace,
-               phases) -> tuple[Optional[tuple[list[float], list[float]]], list[str]]:
+               phases: Phases) -> tuple[Optional[tuple[list[float], list[float]]], list[str]]:
     """Capture dispatch and combine as two CUDA graphs, check a replay, then time replays."""
     first = sets[0].inp
     x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
@@ -334,6 +336,7 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         problems = [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
     if problems:
         return None, problems
+    phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
     for rs, n in zip(sets, split_iters(args)):

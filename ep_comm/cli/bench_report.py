@@ -56,15 +56,16 @@ class Reporter:
         self.args = args
         self.on_write = on_write  # tests: called with the document after every rewrite
         # (header, width, right-aligned, key, formatter)
+        # widths fit the usual values; a wider value shifts its line instead of delaying the table
         self.columns: list[tuple[str, int, bool, str, Callable[[Any], str]]] = [
-            ("backend", 8, False, "backend", str), ("layout", 10, False, "layout", str), ("op", 8, False, "op", str),
-            ("tokens", 6, True, "tokens", str), ("p50_us", 9, True, "p50_us", _num(".1f")),
-            ("p90_us", 9, True, "p90_us", _num(".1f")), ("GB/s", 7, True, "gbps", _num(".3g")),
+            ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
+            ("op", 8, False, "op", str), ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
+            ("p90_us", 8, True, "p90_us", _num(".1f")), ("GB/s", 6, True, "gbps", _num(".3g")),
             ("SMs", 3, True, "sms", _num("d")), (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
-            ("ratio", 6, True, "ratio", _num(".2f")),
+            ("ratio", 5, True, "ratio", _num(".2f")),
         ]
         if with_peer:
-            self.columns += [("peer", 14, False, "peer", lambda v: "-" if v is None else str(v)),
+            self.columns += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),
                              ("peer_p50_us", 11, True, "peer_p50_us", _num(".1f")),
                              ("vs_peer", 7, True, "vs_peer", _num(".2f"))]
         self.results: list[dict] = []

@@ -34,7 +34,7 @@ from .bench_measure import CheckCase, OracleGate, RunSet, Timer, expert_outputs,
 from .launcher import RankEnv, gather_objects, host_barrier
 
 PEERS = ("deepep", "nccl_ep")
-NORMAL_SMS = 24  # DeepEP normal kernels' SMs (Buffer.set_num_sms): the prefill budget of DESIGN §7
+NORMAL_SMS = 24  # DeepEP normal kernels' SMs (Buffer.set_num_sms): the prefill SM budget ep_comm is held to
 #: GPU busy-wait before a peer's start event (graph mode): the host issues the call while the GPU
 #: is still busy, so the events time the kernels, not the Python call in front of them (our graph
 #: replays pay no launch gap either)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 #: the order phases are printed in (unknown names follow, alphabetically)
 ORDER = ("spawn", "init", "nccl_init", "peer_init", "inputs", "baseline", "peer", "create", "check", "warmup",
@@ -22,13 +22,21 @@ class Phases:
     def __init__(self) -> None:
         self.total: dict[str, float] = {}
         self._since: dict[str, float] = {}
+        #: called with a phase's name when it starts (a run that hangs then shows where)
+        self.on_start: Optional[Callable[[str], None]] = None
 
     def add(self, name: str, seconds: float) -> None:
         self.total[name] = self.total.get(name, 0.0) + seconds
         self._since[name] = self._since.get(name, 0.0) + seconds
 
+    def started(self, name: str) -> None:
+        """Announce a phase whose time is booked with ``add`` (not timed by the context manager)."""
+        if self.on_start is not None:
+            self.on_start(name)
+
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        self.started(name)
         t0 = time.perf_counter()
         try:
             yield
