@@ -59,7 +59,8 @@ def rank_main(args: argparse.Namespace) -> dict:
                            max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, layout=args.layout,
                            backend=args.backend)
     comm = ep_comm.Communicator(cfg)
-    inp = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)[env.rank].to(env.device)
+    inputs = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)
+    inp = inputs[env.rank].to(env.device)
     acc: dict = collections.defaultdict(list)
     originals = {key: getattr(*key) for key in PIECES_MODULE}
 

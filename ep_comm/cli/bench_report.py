@@ -61,7 +61,8 @@ class Reporter:
             ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
             ("op", 8, False, "op", str), ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
             ("p90_us", 8, True, "p90_us", _num(".1f")), ("GB/s", 7, True, "gbps", _num(".3g")),
-            ("SMs", 3, True, "sms", _num("d")), (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
+            ("SMs", 3, True, "sms", _num("d")),
+            (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
             ("ratio", 5, True, "ratio", _num(".2f")),
         ]
         if with_peer:
