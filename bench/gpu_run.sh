@@ -44,9 +44,9 @@ if [ "${1:-}" != "quick" ]; then
   for run in ${BENCH_RUNS:-graph:128 graph:4096 eager:128,4096}; do
     mode=${run%%:*}; toks=${run#*:}; tag="$mode-${toks//,/-}"
     timeout ${BENCH_TIMEOUT:-200} python3 -m ep_comm bench --nproc $NPROC --mode $mode --tokens ${toks//,/ } \
-      ${BENCH_ARGS:-} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
+      --phase-times ${BENCH_ARGS:-} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
     summary "bench $mode tokens $toks rc=$?"
-    grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto|FAILED)" "$OUT/bench-$tag.log" | tee -a "$OUT/summary.txt"
+    grep -E "^(backend|naive|ag_rs|mnnvl|nvshmem|auto|deepep|peer |phase times)" "$OUT/bench-$tag.log" | tee -a "$OUT/summary.txt"
   done
   [ -n "${SKIP_INFO:-}" ] || { timeout 60 python3 -m ep_comm info --nproc $NPROC > "$OUT/info.log" 2>&1; summary "info rc=$?"; }
   if [ -z "${SKIP_STRESS:-}" ]; then

@@ -2,7 +2,7 @@
 
 NCCL takes uneven all_gather / reduce_scatter lists directly (torch groups them into broadcasts /
 reduces); gloo has neither reduce_scatter nor uneven all_gather, so there we issue one broadcast per
-source / one reduce per destination, all asynchronous, and wait for them together.
+source, all asynchronous, and wait for them together, and reduce with one all_reduce.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def reduce_scatterv(buf: torch.Tensor, rows: Sequence[int], rank: int, global_ra
         else:
             dist.reduce_scatter(out, chunks, group=group)
         return out
-    works = [dist.reduce(chunks[d], dst=global_ranks[d], group=group, async_op=True) for d in range(len(rows))]
-    for w in works:
-        w.wait()
+    # gloo has no reduce_scatter: one all_reduce of the whole buffer, then this rank's chunk.  One
+    # rendezvous of every rank instead of one reduce per destination (measured at 8 CPU ranks, 32 tok:
+    # 91 -> about 30 ms per combine); CPU buffers are small enough that the extra volume costs less
+    dist.all_reduce(buf, group=group)
     return chunks[rank]

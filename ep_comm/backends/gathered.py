@@ -281,15 +281,27 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     for dim in tail:
         row_elems *= dim
     x_bytes = _as_words(g.x.reshape(r, row_elems))
-    x_b = torch.empty((dummy + r, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
-    s_bytes = s_b = None
-    if g.x_scales is not None:
-        s_bytes = _as_words(g.x_scales)
-        s_b = torch.empty((dummy + r, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
-    for j in range(k):
-        x_b.index_copy_(0, dest[:, j], x_bytes)
-        if s_b is not None:
-            s_b.index_copy_(0, dest[:, j], s_bytes)
+    s_bytes = None if g.x_scales is None else _as_words(g.x_scales)
+    if g.x.device.type == "cpu":
+        # CPU: copy only the pairs that have an expert here (about k / world of the R·k pairs; no CUDA
+        # graph needs a static size here), straight into the [L·capacity] slots without trash rows
+        pos = torch.nonzero(valid_pairs).squeeze(1)
+        slots, src = dest.reshape(-1)[pos], torch.div(pos, k, rounding_mode="floor")
+        x_b = torch.empty((dummy, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
+        x_b.index_copy_(0, slots, x_bytes.index_select(0, src))
+        s_b = None
+        if s_bytes is not None:
+            s_b = torch.empty((dummy, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
+            s_b.index_copy_(0, slots, s_bytes.index_select(0, src))
+    else:
+        x_b = torch.empty((dummy + r, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
+        s_b = None
+        if s_bytes is not None:
+            s_b = torch.empty((dummy + r, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
+        for j in range(k):
+            x_b.index_copy_(0, dest[:, j], x_bytes)
+            if s_b is not None:
+                s_b.index_copy_(0, dest[:, j], s_bytes)
     x_out = x_b[:dummy].view(torch.uint8).view(g.x.dtype).view(L, cap, *tail)
     s_out = None if s_b is None else s_b[:dummy].view(torch.uint8).view(g.x_scales.dtype).view(L, cap, -1)
     handle = GatherHandle(g.rows, row_valid, dest, local_w)
@@ -315,10 +327,26 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
     slots = flat.shape[0]
     k = handle.dest.shape[1]
     valid = handle.dest < slots  # [R, k]
-    # one gather of every (row, expert) pair, masked before weighting: padding slots may hold NaN
-    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1)).view(*lead, k, hidden)
-    weights = torch.where(valid, handle.local_weights, 0.0).view(*lead, k, 1)
-    torch.sum(torch.where(valid.view(*lead, k, 1), rows.float() * weights, zero), dim=-2, out=out)
+    if flat.device.type == "cpu" and out.dim() == 2:
+        # CPU: only the pairs that have an expert here (about k / world of them); a data-dependent
+        # size is fine without CUDA graphs, and it is world-fold less work than weighting every pair
+        pos = torch.nonzero(valid.reshape(-1)).squeeze(1)
+        src = flat.index_select(0, handle.dest.reshape(-1)[pos]).float()
+        src.mul_(handle.local_weights.reshape(-1)[pos].unsqueeze(1))
+        out.zero_()
+        out.index_add_(0, torch.div(pos, k, rounding_mode="floor"), src)
+        return
+    # static shapes (CUDA graphs): one gather of every (row, expert) pair in the payload dtype, padding
+    # zeroed in place (padding slots may hold NaN), then k fused multiply-adds into the float32 output.
+    # No [R, k, hidden] float32 temporaries: half the memory traffic of weighting the gathered rows in
+    # float32 and summing them (a fused gather-weight-sum kernel is the real fix)
+    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1))
+    rows.masked_fill_(~valid.reshape(-1, 1), 0)
+    rows = rows.view(*lead, k, hidden)
+    weights = torch.where(valid, handle.local_weights, zero).view(*lead, k, 1)
+    torch.mul(rows[..., 0, :], weights[..., 0, :], out=out)
+    for j in range(1, k):
+        out.addcmul_(rows[..., j, :], weights[..., j, :])
 
 
 def reduce_buffer(ctx: BackendContext, rows: Sequence[int], hidden: int, epoch: int):

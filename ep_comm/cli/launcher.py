@@ -82,8 +82,10 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float)
 
     from ..distributed.spawn import spawn_local
 
+    # torch (97% of a rank's import time) is imported once in a fork server, not once per rank; only
+    # torch: importing it never initialises CUDA, so forking after it is safe (ep_comm modules could)
     results = spawn_local(_spawned_entry, nproc, (worker, args), timeout_s=timeout_s,
-                          extra_env=lambda rank: {_SPAWNED_ENV: str(nproc)})
+                          extra_env=lambda rank: {_SPAWNED_ENV: str(nproc)}, preload=("torch", "torch.distributed"))
     code = 0
     for res in results:
         if res.ok:
@@ -162,8 +164,9 @@ def setup_rank(timeout_s: float = 300.0) -> RankEnv:
 
         faulthandler.dump_traceback_later(float(hang_dump), exit=False)
     spawned = os.environ.get(_SPAWNED_ENV)
-    if spawned and not torch.cuda.is_available():
-        # N CPU ranks on one host: without this each rank starts one thread per core and they thrash
+    if spawned:
+        # N ranks on one host: without this each rank starts one thread per core and they thrash (on
+        # GPU hosts too: 8 ranks x 128 threads on 128 cores for the host-side inputs and oracle work)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(spawned))))
     # read before init_distributed, which exports RANK/WORLD_SIZE (torchrun's names) for any launcher
     launcher = "spawn" if spawned else read_launch_env().launcher

@@ -26,6 +26,15 @@ def run_cli(args: Sequence[str], timeout: float = 240, **extra_env: str) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def usable_backends() -> list[str]:
+    """Registered backends the CLI's ranks can run here: kernel backends need GPUs."""
+    import torch
+
+    from ep_comm.backends import registered
+
+    return [n for n, cls in registered().items() if torch.cuda.is_available() or not getattr(cls, "kernel", False)]
+
+
 @pytest.fixture(scope="session")
 def cli():
     return run_cli

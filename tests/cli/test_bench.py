@@ -1,14 +1,24 @@
-"""``ep-comm bench`` on CPU ranks: table, DESIGN §7 JSON, oracle gate, argument errors."""
+"""``ep-comm bench`` on CPU ranks: table, DESIGN §7 JSON, oracle gate, streaming, peers, argument errors."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from ep_comm.backends import NOT_BUILT, registered
 from ep_comm.cli import format_table, resolve_backend_request, split_backends
-from ep_comm.cli.bench import _remote_sends
+from ep_comm.cli.bench_measure import remote_sends
+from ep_comm.cli.bench_report import Reporter
+from ep_comm.cli.launcher import RankEnv
+from ep_comm.distributed.topology import Topology
+
+from .conftest import REPO, clean_env, usable_backends
 
 SHAPE = ["--hidden", "128", "--experts", "8", "--topk", "2"]
 RESULT_KEYS = {"backend": str, "op": str, "layout": str, "tokens": int, "hidden": int, "top_k": int, "experts": int,
@@ -19,7 +29,8 @@ RESULT_KEYS = {"backend": str, "op": str, "layout": str, "tokens": int, "hidden"
 def bench_run(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "4", "--warmup", "1",
-                "--sets", "2", "--json", str(out / "r.json"), "--plot", str(out / "r.png")], timeout=240)
+                "--sets", "2", "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--phase-times"],
+               timeout=240)
     return proc, out
 
 
@@ -32,7 +43,7 @@ def test_bench_runs_and_prints_one_table(bench_run):
     for col in ("p90_us", "GB/s", "SMs", "gloo_a2a_us", "ratio"):
         assert col in headers[0]
     rows = [ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in registered()]
-    assert len(rows) == len(registered()) * 2 * 2 * 2  # backends x layouts x token counts x ops
+    assert len(rows) == len(usable_backends()) * 2 * 2 * 2  # backends x layouts x token counts x ops
     assert {r[2] for r in rows} == {"dispatch", "combine"}
 
 
@@ -43,7 +54,7 @@ def test_bench_json_matches_design_schema(bench_run):
     for key, typ in (("device", str), ("date", str), ("git_commit", str), ("world_size", int), ("results", list)):
         assert isinstance(doc[key], typ), key
     assert doc["world_size"] == 2
-    assert len(doc["results"]) == len(registered()) * 8
+    assert len(doc["results"]) == len(usable_backends()) * 8
     for r in doc["results"]:
         for key, typ in RESULT_KEYS.items():
             assert isinstance(r[key], typ), (key, r)
@@ -54,6 +65,17 @@ def test_bench_json_matches_design_schema(bench_run):
         assert 0 < r["p50_us"] <= r["p90_us"]
         assert r["gbps"] > 0 and r["baseline_nccl_us"] > 0
         assert r["baseline_backend"] == "gloo"
+        assert r["phase_s"]["timing"] > 0  # wall time per phase since the previous row (slowest rank)
+    assert doc["complete"] is True
+    for phase in ("spawn", "init", "inputs", "baseline", "create", "check", "warmup", "timing"):
+        assert doc["phase_times_s"][phase] >= 0, phase
+
+
+def test_bench_phase_times_and_progress_on_stderr(bench_run):
+    proc, _ = bench_run
+    assert "phase times (s, slowest rank): spawn" in proc.stderr
+    assert "naive/standard (1/" in proc.stderr  # progress: what is running
+    assert "phase times" not in proc.stdout
 
 
 def test_bench_plot_written_or_explained(bench_run):
@@ -105,9 +127,78 @@ def test_bench_graph_mode_needs_cuda(cli):
 def test_remote_sends_counts_distinct_remote_ranks():
     # 4 experts over 2 ranks: experts 0,1 on rank 0, 2,3 on rank 1
     ids = torch.tensor([[0, 1], [2, 3], [0, 2], [-1, 3], [-1, -1], [1, 1]])
-    assert _remote_sends(ids, rank=0, world=2, num_experts=4) == 3  # rows 1, 2, 3
-    assert _remote_sends(ids, rank=1, world=2, num_experts=4) == 3  # rows 0, 2, 5
-    assert _remote_sends(torch.empty(0, 2, dtype=torch.long), 0, 2, 4) == 0
+    assert remote_sends(ids, rank=0, world=2, num_experts=4) == 3  # rows 1, 2, 3
+    assert remote_sends(ids, rank=1, world=2, num_experts=4) == 3  # rows 0, 2, 5
+    assert remote_sends(torch.empty(0, 2, dtype=torch.long), 0, 2, 4) == 0
+
+
+def _row(backend: str, layout: str, op: str, p50: float) -> dict:
+    return {"backend": backend, "layout": layout, "op": op, "tokens": 8, "p50_us": p50, "p90_us": p50 * 2,
+            "gbps": 1.0, "sms": None, "baseline_nccl_us": 10.0, "ratio": p50 / 10}
+
+
+def test_reporter_streams_rows_and_keeps_the_json_whole(tmp_path, capsys):
+    """Every row is in the JSON (a complete document) before it is printed, in order, as it comes."""
+    path = tmp_path / "r.json"
+    args = argparse.Namespace(json=str(path), plot=None, mode="eager", routing="uniform", quant="none", iters=2,
+                              warmup=0, sets=1)
+    env = RankEnv(0, 2, torch.device("cpu"), None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
+    seen = []
+    rep = Reporter(env, args, "gloo", with_peer=False, on_write=lambda doc: seen.append(json.loads(path.read_text())
+                                                                                   if path.exists() else None))
+    rep.start()
+    assert json.loads(path.read_text())["results"] == [] and "backend" in capsys.readouterr().out
+    batches = [[_row("naive", "standard", "dispatch", 5.0), _row("naive", "standard", "combine", 6.0)],
+               [_row("ag_rs", "batched", "dispatch", 7.0), _row("ag_rs", "batched", "combine", 8.0)]]
+    for i, batch in enumerate(batches):
+        rep.rows(batch, {"timing": 0.5 * (i + 1)})
+        doc = json.loads(path.read_text())  # valid JSON after every row: a killed run keeps its rows
+        assert [r["p50_us"] for r in doc["results"]] == [r["p50_us"] for b in batches[: i + 1] for r in b]
+        assert doc["complete"] is False and doc["phase_times_s"] == {"timing": 0.5 * (i + 1)}
+        printed = [ln.split() for ln in capsys.readouterr().out.splitlines()]
+        assert [(ln[0], ln[2]) for ln in printed] == [(r["backend"], r["op"]) for r in batch]
+    rep.failure("naive", "batched", 8, ["rank 1: combine: differs"])
+    rep.finish({"timing": 1.0}, show_phases=False)
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and len(doc["results"]) == 4 and doc["failures"][0]["backend"] == "naive"
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # the temporary file was renamed over
+    assert len(seen) == 5  # start, two batches, the failure, finish
+
+
+def test_bench_killed_after_its_first_row_keeps_it(tmp_path):
+    """Stop a real run as soon as its first row is printed: the JSON on disk holds that row."""
+    path = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "ep_comm", "bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE,
+                             "--iters", "4", "--warmup", "1", "--sets", "2", "--json", str(path)],
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        first = None
+        for line in proc.stdout:
+            if line.split()[:1] and line.split()[0] in registered():
+                first = line.split()
+                break
+        assert first is not None, "no row was printed"
+        doc = json.loads(path.read_text())
+        assert doc["complete"] is False and doc["results"]
+        assert (doc["results"][0]["backend"], doc["results"][0]["op"]) == (first[0], first[2])
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    doc = json.loads(path.read_text())  # still a complete document after the kill
+    assert len(doc["results"]) >= 2
+
+
+def test_bench_peer_not_installed_is_one_line(cli):
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
+                "--backend", "ag_rs", "--layout", "standard", "--peer", "deepep", "nccl_ep"], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("peer ")]
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith("peer deepep: not available (") and "deep_ep" in lines[0]
+    assert lines[1].startswith("peer nccl_ep: ")  # not installed here (or found, with no adapter: still one line)
+    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("backend"))
+    assert header.split()[-3:] == ["peer", "peer_p50_us", "vs_peer"]
 
 
 def test_backend_list_parsing():
@@ -122,3 +213,43 @@ def test_backend_list_parsing():
 def test_format_table_aligns_columns():
     text = format_table(["a", "num"], [["xx", 1], ["y", 22]], right=[1])
     assert text.splitlines() == ["a   num", "--  ---", "xx    1", "y    22"]
+
+
+FAKE_PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_peers")
+
+
+def _with_fake_deepep() -> str:
+    return os.pathsep.join([FAKE_PEERS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def test_bench_peer_deepep_adapter_with_a_cpu_stand_in(cli, tmp_path):
+    """The adapter's calls, checks, timing and peer columns, against a CPU stand-in of DeepEP's API."""
+    path = tmp_path / "p.json"
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "2", "--warmup", "1", "--sets", "1",
+                "--peer", "deepep", "--peer-ll-max-tokens", "8", "--json", str(path)], timeout=240,
+               PYTHONPATH=_with_fake_deepep())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(path.read_text())
+    ran = {(p["peer_variant"], p["op"], p["tokens"]) for p in doc["peers"]}
+    want = {(v, op, t) for op in ("dispatch", "combine") for v, t in
+            (("normal", 8), ("normal", 16), ("ll", 8), ("ll-fp8", 8))}  # low-latency only up to 8 tokens
+    assert ran == want, doc["notes"]
+    assert all(p["p50_us"] > 0 and p["backend"] == "deepep" for p in doc["peers"])
+    for r in doc["results"]:
+        expect = "deepep ll" if (r["layout"] == "batched" and r["tokens"] == 8) else "deepep normal"
+        assert r["peer"] == expect, r
+        assert r["vs_peer"] == pytest.approx(r["p50_us"] / r["peer_p50_us"], rel=1e-2)
+    assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("deepep ")][:2] == ["normal", "normal"]
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("wrong", "peer deepep normal FAILED the oracle check at 8 tok; not timed: rank 1: combine: combine differs"),
+    ("raise", "peer deepep ll failed at 8 tok: rank 0: RuntimeError: DeepEP error: fake low-latency failure"),
+])
+def test_bench_peer_failures_are_notes_not_crashes(cli, mode, message):
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
+                "--backend", "ag_rs", "--peer", "deepep"], timeout=180,
+               PYTHONPATH=_with_fake_deepep(), EP_COMM_FAKE_DEEPEP=mode)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # a peer's failure is not ours
+    assert message in proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("ag_rs ")]) == 4  # our rows all timed

@@ -1,0 +1,143 @@
+"""Where the host time of one eager dispatch / combine of the collective backends goes.
+
+    python3 bench/eager_breakdown.py --nproc 2 --tokens 128            # GPU: one rank per GPU
+    CUDA_VISIBLE_DEVICES= python3 bench/eager_breakdown.py --nproc 2 --hidden 512 --experts 32 --topk 4
+
+Every rank wraps the pieces an eager call goes through (input checks, the id range check and its
+device sync, the control plane's host agreement, the routing guard, packing, the collectives, the
+layout selection, the combine partial sums) with host timers, runs ``--iters`` dispatch+combine
+pairs lined up like ``ep-comm bench --mode eager``, and prints the mean host µs per call of each
+piece (slowest rank) next to the end-to-end op time.  On GPUs the pieces' host time is launch and
+sync cost (kernels run asynchronously); the end-to-end time includes the device work.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ep_comm  # noqa: E402
+from ep_comm import communicator as comm_mod  # noqa: E402
+from ep_comm import oracle  # noqa: E402
+from ep_comm.backends import gathered  # noqa: E402
+from ep_comm.cli.launcher import _SPAWNED_ENV, gather_objects, host_barrier, setup_rank  # noqa: E402
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
+
+PIECES_MODULE = {  # module attribute -> label
+    (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
+    (comm_mod, "check_ids"): "id check (device sync)", (comm_mod, "sanitize_routing"): "routing guard",
+    (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
+    (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",
+}
+
+
+def _wrap(acc: dict, label: str, fn, sync: bool):
+    def timed(*a, **k):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            if sync:
+                torch.cuda.synchronize()
+            acc[label].append(time.perf_counter() - t0)
+    return timed
+
+
+def rank_main(args: argparse.Namespace) -> dict:
+    env = setup_rank(300.0)
+    cuda = env.device.type == "cuda"
+    cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
+                           max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, layout=args.layout,
+                           backend=args.backend)
+    comm = ep_comm.Communicator(cfg)
+    inputs = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)
+    inp = inputs[env.rank].to(env.device)
+    acc: dict = collections.defaultdict(list)
+    originals = {key: getattr(*key) for key in PIECES_MODULE}
+
+    eo_cache: dict = {}
+
+    def expert_out(d):  # one zero buffer per shape, allocated outside the timed calls
+        key = tuple(d.x.shape)
+        if key not in eo_cache:
+            eo_cache[key] = torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
+        return eo_cache[key]
+
+    def pair():
+        d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        comm.combine(expert_out(d), d)
+
+    for _ in range(args.warmup):
+        pair()
+    # end-to-end first (no wrappers), like the bench: lined up, synced
+    e2e = collections.defaultdict(list)
+    for _ in range(args.iters):
+        host_barrier(env)
+        t0 = time.perf_counter()
+        d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        comm.combine(expert_out(d), d)
+        if cuda:
+            torch.cuda.synchronize()
+        e2e["dispatch"].append(t1 - t0)
+        e2e["combine"].append(time.perf_counter() - t1)
+    # then the pieces (host time; with --sync also the device time of each piece)
+    try:
+        for (mod, name), label in PIECES_MODULE.items():
+            setattr(mod, name, _wrap(acc, label, originals[(mod, name)], cuda and args.sync))
+        for obj, name, label in ((comm.control, "agree", "host agreement (gloo)"),
+                                 (comm._impl, "gather", "dispatch collective"),
+                                 (comm._impl, "reduce", "combine collective")):
+            setattr(obj, name, _wrap(acc, label, getattr(obj, name), cuda and args.sync))
+        for _ in range(args.iters):
+            host_barrier(env)
+            pair()
+    finally:
+        for (mod, name) in PIECES_MODULE:
+            setattr(mod, name, originals[(mod, name)])
+    host_barrier(env)
+    mine = {"e2e": {k: sorted(v)[len(v) // 2] * 1e6 for k, v in e2e.items()},
+            "pieces": {k: sum(v) / args.iters * 1e6 for k, v in acc.items()}}
+    everyone = gather_objects(env, mine)
+    comm.close()
+    dist.destroy_process_group()
+    return everyone[0] if env.rank else {"ranks": everyone}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--backend", default="ag_rs")
+    p.add_argument("--layout", default="standard")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--sync", action="store_true", help="GPU: sync around every piece (device time per piece)")
+    args = p.parse_args()
+    res = raise_on_failure(spawn_local(rank_main, args.nproc, (args,), timeout_s=600,
+                                     extra_env=lambda r: {_SPAWNED_ENV: str(args.nproc)}))[0]["ranks"]
+    print(f"{args.backend}/{args.layout}, {args.nproc} ranks, {args.tokens} tok, hidden {args.hidden}, "
+          f"top-{args.topk} of {args.experts}; µs, slowest rank")
+    for op in ("dispatch", "combine"):
+        print(f"  eager {op} p50 (end to end): {max(r['e2e'][op] for r in res):9.1f}")
+    labels = sorted({k for r in res for k in r["pieces"]}, key=lambda k: -max(r["pieces"].get(k, 0) for r in res))
+    for k in labels:
+        print(f"  {k:28s} {max(r['pieces'].get(k, 0.0) for r in res):9.1f} per pair")
+
+
+if __name__ == "__main__":
+    main()

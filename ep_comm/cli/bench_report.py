@@ -1,0 +1,178 @@
+"""Streaming output of ``ep-comm bench``: one table line per measured op, the JSON rewritten per row.
+
+A benchmark that is stopped (timeout, Ctrl-C, a lost machine) must keep what it measured, so rank 0
+prints every row as soon as the ranks have agreed on its numbers and rewrites the whole ``--json``
+document right before printing it (write to a temporary file, then rename: a reader never sees a
+half-written file).  ``"complete": false`` marks a document whose run has not finished.
+The table has fixed column widths, so rows can be printed before the widest value is known.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .launcher import RankEnv
+from .phases import format_phases
+
+
+def device_name(env: RankEnv) -> str:
+    if env.device.type == "cuda":
+        return torch.cuda.get_device_name(env.device)
+    return f"cpu ({platform.machine() or 'unknown'}, gloo)"
+
+
+def git_commit() -> tuple[str, Optional[bool]]:
+    """Commit of the checkout ep_comm runs from (and whether tracked files differ from it)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return os.environ.get("EP_COMM_GIT_COMMIT", "unknown"), None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("EP_COMM_GIT_COMMIT", "unknown"), None
+
+
+def _num(fmt: str) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+class Reporter:
+    """Rank 0's table and JSON; on other ranks every method is a no-op."""
+
+    def __init__(self, env: RankEnv, args: argparse.Namespace, baseline_backend: str, with_peer: bool,
+                 on_write: Optional[Callable[[dict], None]] = None):
+        self.active = env.is_root
+        self.args = args
+        self.on_write = on_write  # tests: called with the document after every rewrite
+        # (header, width, right-aligned, key, formatter)
+        # widths fit the usual values; a wider value shifts its line instead of delaying the table
+        self.columns: list[tuple[str, int, bool, str, Callable[[Any], str]]] = [
+            ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
+            ("op", 8, False, "op", str), ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
+            ("p90_us", 8, True, "p90_us", _num(".1f")), ("GB/s", 7, True, "gbps", _num(".3g")),
+            ("SMs", 3, True, "sms", _num("d")),
+            (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
+            ("ratio", 5, True, "ratio", _num(".2f")),
+        ]
+        if with_peer:
+            self.columns += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),
+                             ("peer_p50_us", 11, True, "peer_p50_us", _num(".1f")),
+                             ("vs_peer", 7, True, "vs_peer", _num(".2f"))]
+        self.results: list[dict] = []
+        self.peers: list[dict] = []
+        self.failures: list[dict] = []
+        self.notes: list[str] = []
+        self.doc: dict = {}
+        self._header_printed = False
+        if self.active:
+            commit, dirty = git_commit()
+            self.doc = {
+                "device": device_name(env), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "git_commit": commit, "world_size": env.world_size, "results": self.results,
+                "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
+                "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
+                "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
+                "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
+                "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
+            }
+
+    # -- table --------------------------------------------------------------------------------------------
+    def _line(self, cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if right else c.ljust(w) for c, (_, w, right, _, _) in zip(cells, self.columns)]
+        return "  ".join(out).rstrip()
+
+    def _print_header(self) -> None:
+        if not self._header_printed:
+            self._header_printed = True
+            self.columns = [(h, max(w, len(h)), r, k, f) for h, w, r, k, f in self.columns]
+            print(self._line([c[0] for c in self.columns]), flush=True)
+            print("  ".join("-" * c[1] for c in self.columns), flush=True)
+
+    def _print_rows(self, rows: Sequence[dict]) -> None:
+        self._print_header()
+        for r in rows:
+            print(self._line([fmt(r.get(key)) for _, _, _, key, fmt in self.columns]), flush=True)
+
+    # -- events ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The table header and an empty document, so even a run stopped before its first row leaves both."""
+        if self.active:
+            self._print_header()
+            self._write()
+
+    def rows(self, rows: Sequence[dict], phase_totals: Optional[dict] = None) -> None:
+        """Our measured rows: into the JSON first, then onto stdout (so a printed row is always saved)."""
+        if not self.active:
+            return
+        self.results.extend(rows)
+        if phase_totals is not None:
+            self.doc["phase_times_s"] = phase_totals
+        self._write()
+        self._print_rows(rows)
+
+    def peer_rows(self, rows: Sequence[dict]) -> None:
+        if not self.active or not rows:
+            return
+        self.peers.extend(rows)
+        self._write()
+        self._print_rows(rows)
+
+    def failure(self, backend: str, layout: str, tokens: int, problems: list[str]) -> None:
+        if not self.active:
+            return
+        self.failures.append({"backend": backend, "layout": layout, "tokens": tokens, "problems": problems})
+        self._write()
+        print(f"FAILED oracle check: backend {backend}, layout {layout}, tokens {tokens}; not timed", flush=True)
+        for p in problems[:10]:
+            print(f"  {p}", flush=True)
+
+    def note(self, text: str, now: bool = True) -> None:
+        """A note for the end of the table (and the JSON); ``now``: also print it at once."""
+        if not self.active or text in self.notes:
+            return
+        self.notes.append(text)
+        self._write()
+        if now:
+            print(text, flush=True)
+
+    def finish(self, phase_totals: dict, show_phases: bool) -> None:
+        if not self.active:
+            return
+        if not self.results and not self.failures:
+            print("(no results)", flush=True)
+        if self.failures:
+            print(f"{len(self.failures)} config(s) FAILED the oracle check and were not timed", flush=True)
+        self.doc["phase_times_s"] = phase_totals
+        self.doc["complete"] = True
+        self._write()
+        if show_phases:
+            print(f"phase times (s, slowest rank): {format_phases(phase_totals)}", file=sys.stderr, flush=True)
+        if self.args.json:
+            print(f"wrote {self.args.json}", flush=True)
+        if self.args.plot:
+            from .bench_plot import plot
+
+            print(plot(self.results, self.args.plot, self.doc["baseline_backend"]), flush=True)
+
+    def _write(self) -> None:
+        if self.on_write is not None:
+            self.on_write(self.doc)
+        path = self.args.json
+        if not path:
+            return
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(self.doc, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)  # atomic: the file is always a complete document
