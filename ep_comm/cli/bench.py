@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--quant", choices=("none", "fp8"), default="none",
                    help="fp8: dispatch sends e4m3 + per-128-channel scales (default: none)")
+    p.add_argument("--validate-ids", choices=("on", "off"), default="on",
+                   help="EPConfig.validate_ids of kernel backends: off skips the host check (one sync) of expert "
+                        "ids in eager dispatch (default: on)")
     p.add_argument("--iters", type=int, default=50, help="timed dispatch+combine pairs per config (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed pairs first (default: 10)")
     p.add_argument("--sets", type=int, default=5, help="run sets with fresh random routing (default: 5)")

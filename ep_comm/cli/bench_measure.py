@@ -34,7 +34,8 @@ def bench_config(args: argparse.Namespace, tokens: int, layout: str, backend: st
     """The EPConfig of one bench row (``quant="args"``: as ``--quant`` says)."""
     q = (None if args.quant == "none" else args.quant) if quant == "args" else quant
     return EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=tokens,
-                    dtype=DTYPES[args.dtype], layout=layout, backend=backend, quant=q, timeout_s=args.op_timeout)
+                    dtype=DTYPES[args.dtype], layout=layout, backend=backend, quant=q, timeout_s=args.op_timeout,
+                    validate_ids=getattr(args, "validate_ids", "on") != "off")
 
 
 # -- timed inputs ------------------------------------------------------------------------------------------
