@@ -82,7 +82,7 @@ class Reporter:
                 "git_commit": commit, "world_size": env.world_size, "results": self.results,
                 "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
-                "validate_ids": args.validate_ids,
+                "validate_ids": getattr(args, "validate_ids", "on"),
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
