@@ -19,7 +19,7 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 summary "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
 
 # the extension: reuse .ext/_C-<hash of the sources>.so when carried, else build and hand it back in $OUT
-hash=$(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-16)
+hash=$(cat setup.py $(find csrc -type f \( -name "*.cu" -o -name "*.cuh" -o -name "*.h" -o -name "*.cpp" \) | sort) | sha1sum | cut -c1-16)
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 t0=$(date +%s)
 if [ -f ".ext/_C-$hash.so" ]; then
