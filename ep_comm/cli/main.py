@@ -84,7 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from .launcher import run_ranks
 
-    return run_ranks(module.worker, args, args.nproc, args.timeout)
+    # once a rank fails, the others get --op-timeout (their own typed errors) plus a margin to end
+    return run_ranks(module.worker, args, args.nproc, args.timeout, failure_grace_s=args.op_timeout + 15.0)
 
 
 if __name__ == "__main__":  # pragma: no cover

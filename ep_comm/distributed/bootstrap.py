@@ -116,6 +116,13 @@ def init_distributed(timeout_s: Optional[float] = None) -> Topology:
                     f"rendezvous at {addr}:{port} timed out after {timeout.total_seconds():.0f}s: "
                     f"not every one of {info.world_size} ranks arrived ({exc})"
                 ) from exc
+            if info.rank != 0 and "connection" in str(exc).lower():
+                # with a tcp:// rendezvous rank 0 hosts the store: losing it means losing rank 0
+                raise EPTimeoutError(
+                    f"rendezvous at {addr}:{port} failed: the store hosted by rank 0 went away while the "
+                    f"{info.world_size} ranks were starting (rank 0 died or exited?) ({str(exc).splitlines()[0]})",
+                    missing_ranks=[0],
+                ) from exc
             raise
         atexit.register(_shutdown)
     elif use_cuda and dist.get_backend() == "nccl":

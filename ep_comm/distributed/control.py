@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import pickle
 import secrets
 import time
@@ -47,6 +48,7 @@ SETTLE_S = 5.0
 _LOST_CONNECTION = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed")
 
 _peer_loss_seen = False
+_blamed: set[int] = set()  # global ranks this process's control planes found gone or missing
 _open_planes: "weakref.WeakSet[ControlPlane]" = weakref.WeakSet()
 
 
@@ -58,6 +60,14 @@ def peer_loss_seen() -> bool:
 def open_control_planes() -> int:
     """Control planes created and not yet closed in this process (tests check it returns to 0)."""
     return len(_open_planes)
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: first line`` of a transport error, without gloo's source path and advice."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    if first.startswith("[") and "] " in first:
+        first = first.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {first.split(' This is typically')[0]}"
 
 
 def lost_connection(exc: BaseException) -> bool:
@@ -207,56 +217,89 @@ class ControlPlane:
         op, epoch = raw.split(":")
         return int(op), int(epoch)
 
-    def lost_peers(self, use_store: bool = True) -> dict[int, str]:
-        """``{rank: why}`` for peers known to be gone: their process exited (same machine only) or they
-        closed their end of this control plane.  Cheap without the store (a few ``/proc`` reads)."""
-        out: dict[int, str] = {}
+    def _left_markers(self) -> dict[int, tuple[str, list[int]]]:
+        """``{rank: (reason, ranks it blamed)}`` for the peers that closed their end of this plane."""
+        out = {}
+        for r in range(self.size):
+            raw = self._read(f"left/{r}") if r != self.rank else None
+            if raw is None:
+                continue
+            try:
+                marker = json.loads(raw)
+                blamed = [self.global_ranks.index(g) for g in marker.get("because_of", []) if g in self.global_ranks]
+                out[r] = (str(marker.get("reason", "")), blamed)
+            except (ValueError, AttributeError):
+                out[r] = (raw, [])
+        return out
+
+    def _diagnose(self, use_store: bool) -> tuple[dict[int, str], dict[int, list[int]]]:
+        """``(gone, followers)``: ``{rank: why}`` for peers that are gone on their own account (process
+        exited, or closed this plane for a reason of their own, or named as gone by a peer that left),
+        and ``{rank: [ranks it lost]}`` for peers that closed this plane because they lost others."""
+        gone: dict[int, str] = {}
         for r, ident in enumerate(self.identities):
             if r != self.rank:
                 why = process_gone(ident)
                 if why:
-                    out[r] = why
+                    gone[r] = why
+        followers: dict[int, list[int]] = {}
         if use_store:
-            for r in range(self.size):
-                if r != self.rank and r not in out:
-                    left = self._read(f"left/{r}")
-                    if left is not None:
-                        out[r] = f"it closed its end of the communicator: {left}"
-        return out
+            markers = self._left_markers()
+            for r, (reason, blamed) in markers.items():
+                if r in gone:
+                    continue
+                if blamed:
+                    followers[r] = blamed
+                else:
+                    gone[r] = f"it closed its end of the communicator: {reason}"
+            for r, blamed in followers.items():
+                for b in blamed:  # a peer on another machine may have seen what we cannot
+                    if b != self.rank and b not in gone:
+                        gone[b] = f"rank {r} lost it"
+        return gone, followers
+
+    def lost_peers(self, use_store: bool = True) -> dict[int, str]:
+        """``{rank: why}`` for peers known to be gone: their process exited (same machine only), they
+        closed their end of this control plane, or a peer that left names them.  Without the store
+        this is a few ``/proc`` reads."""
+        return self._diagnose(use_store)[0]
 
     def failure(self, op: int, epoch: int, exc: BaseException) -> EPTimeoutError:
         """The typed error for a failed exchange with the peers; marks this control plane broken.
 
-        Names the peers that are gone first, then those that never arrived at ``(op, epoch)``.  When the
-        transport says a connection was lost, waits up to ``SETTLE_S`` for the evidence to show.
+        Names the peers that are gone first, then those that left because of them, then those that
+        never arrived at ``(op, epoch)``.  When the transport says a connection was lost, waits up to
+        ``SETTLE_S`` for the evidence to show.
         """
         global _peer_loss_seen
         self.broken = self.broken or f"peer exchange failed in {OP_NAMES.get(op, op)} epoch {epoch}"
         deadline = time.monotonic() + (min(SETTLE_S, self.timeout_s) if lost_connection(exc) else 0.05)
-        lost = self.lost_peers()
-        while not lost and time.monotonic() < deadline:
+        gone, followers = self._diagnose(True)
+        while not gone and time.monotonic() < deadline:
             time.sleep(0.05)
-            lost = self.lost_peers()
-        if lost:
-            _peer_loss_seen = True
-        parts = [f"rank {r} is gone ({why})" for r, why in sorted(lost.items())]
-        missing = sorted(lost)
-        if op in (OP_DISPATCH, OP_COMBINE):  # the calls that leave arrival records
+            gone, followers = self._diagnose(True)
+        parts = [f"rank {r} is gone ({why})" for r, why in sorted(gone.items())]
+        if followers:
+            parts.append(", ".join(f"rank {r}" for r in sorted(followers)) + " left after losing "
+                         + ", ".join(sorted({f"rank {b}" for bl in followers.values() for b in bl})))
+        missing = sorted(gone) + sorted(followers)
+        if op in (OP_DISPATCH, OP_COMBINE) and self._store_ok:  # the calls that leave arrival records
             for r in range(self.size):
-                if r == self.rank or r in lost:
+                if r == self.rank or r in missing:
                     continue
                 last = self._last_seen(r)
-                if last != (op, epoch) and self._store_ok:
+                if last != (op, epoch):
                     missing.append(r)
                     where = "never arrived" if last is None else \
                         f"last seen in {OP_NAMES.get(last[0])} epoch {last[1]}"
                     parts.append(f"rank {r} ({where})")
         if not self._store_ok:
             parts.append("arrival records unavailable: the rendezvous store is unreachable")
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        cause = f" [{type(exc).__name__}: {first}]"
+        if gone:
+            _peer_loss_seen = True
+        _blamed.update(self.global_ranks[r] for r in missing if r not in followers)
         call = f"rank {self.rank}: {OP_NAMES.get(op, op)}" + (f" epoch {epoch}" if epoch >= 0 else "")
-        if lost:
+        if gone:
             msg = f"{call} failed: " + "; ".join(parts)
         elif lost_connection(exc):
             msg = (f"{call} failed: the connection to a peer was lost and no rank could be identified as gone"
@@ -264,7 +307,7 @@ class ControlPlane:
         else:
             detail = "; ".join(parts) if parts else "all peers had arrived; the exchange itself failed"
             msg = f"{call} did not complete within timeout_s={self.timeout_s:g}: missing {detail}"
-        return EPTimeoutError(msg + cause, missing_ranks=missing, lost_ranks=sorted(lost))
+        return EPTimeoutError(f"{msg} [{_summary(exc)}]", missing_ranks=missing, lost_ranks=sorted(gone))
 
     def _raise_input_errors(self, peers: Sequence[PeerStatus], error: Optional[BaseException]) -> None:
         messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
@@ -285,7 +328,10 @@ class ControlPlane:
             return
         self.broken = self.broken or "closed"
         _open_planes.discard(self)
-        self._store_call(self.store.set, f"left/{self.rank}", reason)
+        # the ranks this process found gone or missing travel along, so that a peer which cannot see
+        # them itself (another machine) still names the root cause rather than this rank
+        because = sorted(g for g in _blamed if g in self.global_ranks)
+        self._store_call(self.store.set, f"left/{self.rank}", json.dumps({"reason": reason[:300], "because_of": because}))
         try:
             pg.shutdown()
         except Exception:  # older torch: no shutdown(); the object's destructor closes it
