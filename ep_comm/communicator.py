@@ -1,4 +1,4 @@
-"""``Communicator``: validation, backend choice and the public dispatch/combine (DESIGN §2)."""
+"""``Communicator``: validation, backend choice and the public dispatch/combine (docs/design.md §4-§7)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Typed errors of ep_comm (DESIGN §5).
+"""Typed errors of ep_comm (docs/design.md §9).
 
 Every failure a user can cause or meet is one of these; nothing in the library uses ``assert`` for
 error handling.  ``EPConfigError`` and ``EPInputError`` also derive from ``ValueError`` so engines that

@@ -1,4 +1,4 @@
-"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (DESIGN §7).
+"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (docs/design.md §17).
 
 For every token count, backend and layout:
 
@@ -40,7 +40,7 @@ from ..layouts import Dispatched
 from . import DTYPES, default_backends, format_table, resolve_backend_request
 from .launcher import RankEnv, agree_exit_code, gather_objects, host_barrier, say, setup_rank, teardown
 
-FP8_SCALE_BLOCK = 128  # channels per fp8 scale (DESIGN §2); a float32 scale rides with each block
+FP8_SCALE_BLOCK = 128  # channels per fp8 scale (docs/design.md §5); a float32 scale rides with each block
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=64,
                    help="tokens per rank of the oracle check before timing (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs (default: 0)")
-    p.add_argument("--json", metavar="PATH", help="write the DESIGN §7 JSON here")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report (docs/design.md §17) here")
     p.add_argument("--plot", metavar="PATH", help="PNG of p50 latency vs tokens (needs matplotlib)")
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: wrong combine
 
