@@ -139,7 +139,13 @@ def _collect(procs: list, results, timeout_s: float, grace_s: Optional[float]) -
             killed[r] = (f"was still running {grace_s:g} s after {failed}; killed by the launcher"
                          if failed is not None and grace_s is not None else
                          f"did not finish within {timeout_s:g} s; killed by the launcher")
-        p.join()
+    for p in procs:
+        # a rank that reported may still be exiting; one stuck in teardown is killed (its exit code,
+        # -9 after a report, is what raise_on_failure then shows)
+        p.join(timeout=max(0.0, min(10.0, deadline + 10.0 - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join()
     try:  # reports sent just before a rank exited (or was killed) are still in the pipe
         while True:
             res = results.get(timeout=0.2)
