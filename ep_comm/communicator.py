@@ -1,4 +1,4 @@
-"""``Communicator``: validation, backend choice and the public dispatch/combine (DESIGN §2)."""
+"""``Communicator``: validation, backend choice and the public dispatch/combine (docs/design.md §4-§7)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,6 +22,15 @@ def _group_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """A torch.distributed failure (peer gone, connection lost, collective timed out), not a bug."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        m in text for m in ("gloo", "nccl", "connection", "timed out", "broken pipe", "socket"))
 
 
 class Communicator:
@@ -50,15 +59,21 @@ class Communicator:
         self.device = _group_device(group) if device is None else torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._closed = True  # until fully built: close() and the calls refuse a half-made communicator
         self.control = ControlPlane(group, cfg.timeout_s)
-        self.topology = self.control.topology(self.device.index)
-        self._error_flags = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=self.device)
-        self._ctx = _backends.BackendContext(
-            cfg=cfg, group=group, control=self.control, topology=self.topology, rank=self.rank,
-            world_size=self.world_size, device=self.device, error_flags=self._error_flags,
-        )
-        self.backend = self._choose_backend(cfg.resolved_backend_request())
-        self._impl = _backends.get_backend(self.backend).create(self._ctx)
+        try:
+            self.topology = self.control.topology(self.device.index)
+            self._error_flags = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=self.device)
+            self._ctx = _backends.BackendContext(
+                cfg=cfg, group=group, control=self.control, topology=self.topology, rank=self.rank,
+                world_size=self.world_size, device=self.device, error_flags=self._error_flags,
+            )
+            self.backend = self._choose_backend(cfg.resolved_backend_request())
+            self._impl = _backends.get_backend(self.backend).create(self._ctx)
+        except BaseException as exc:
+            # a refused backend (raised alike on every rank) must not leave the gloo group behind
+            self.control.close(f"creation failed: {type(exc).__name__}")
+            raise
         self._kernel = bool(getattr(self._impl, "kernel", False))
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
@@ -135,7 +150,10 @@ class Communicator:
         else:
             payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
         batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, peer_tokens)
-        out = self._impl.dispatch(batch)
+        try:
+            out = self._impl.dispatch(batch)
+        except Exception as exc:
+            raise self._transport_failure(OP_DISPATCH, self._epoch, exc, capturing) from exc
         out.owner = self
         self._epoch += 1
         return out
@@ -173,7 +191,10 @@ class Communicator:
                                0 if error is not None else dispatched.num_tokens, error)
         if out is None:
             out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
-        return self._impl.combine(expert_out, dispatched, out)
+        try:
+            return self._impl.combine(expert_out, dispatched, out)
+        except Exception as exc:
+            raise self._transport_failure(OP_COMBINE, dispatched.epoch, exc, capturing) from exc
 
     def check_errors(self) -> None:
         """Raise for problems counted on the device without a host sync (CUDA-graph replays, and every
@@ -196,21 +217,25 @@ class Communicator:
             raise EPInputError(f"{flags[FLAG_INVALID_IDS]} topk_ids outside [-1, num_experts="
                                f"{self.cfg.num_experts}) were treated as -1 during graph replays")
 
-    def close(self) -> None:
-        """Release backend resources.  Idempotent."""
+    def close(self, reason: str = "closed") -> None:
+        """Release backend resources and the control plane's gloo group.  Idempotent; not collective.
+
+        A peer still waiting in a call on this communicator fails at once with an ``EPTimeoutError``
+        that names this rank and quotes ``reason``.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self._impl.close()
         finally:
-            self.control.close()
+            self.control.close(reason)
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("closed" if exc is None else f"closed after {type(exc).__name__}: {exc}")
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size}, "
@@ -272,6 +297,17 @@ class Communicator:
                 pass
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _transport_failure(self, op: int, epoch: int, exc: Exception, capturing: bool) -> Exception:
+        """What to raise when the backend's data movement failed after the peers had agreed.
+
+        A collective that fails in eager mode means a peer died or left mid-call (the control plane
+        had just seen every rank arrive): that becomes the control plane's typed error naming it.
+        Other errors, and anything raised while capturing a CUDA graph, pass through unchanged.
+        """
+        if capturing or isinstance(exc, EPError) or not _is_transport_error(exc):
+            return exc
+        return self.control.failure(op, epoch, exc)
+
     def _check_open(self) -> None:
         if self._closed:
             raise EPError("communicator is closed")

@@ -1,4 +1,4 @@
-"""``EPConfig``: the static shape of an expert-parallel exchange (DESIGN §2)."""
+"""``EPConfig``: the static shape of an expert-parallel exchange (docs/design.md §3)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Typed errors of ep_comm (DESIGN §5).
+"""Typed errors of ep_comm (docs/design.md §9).
 
 Every failure a user can cause or meet is one of these; nothing in the library uses ``assert`` for
 error handling.  ``EPConfigError`` and ``EPInputError`` also derive from ``ValueError`` so engines that
@@ -31,11 +31,17 @@ class EPTopologyError(EPError):
 
 
 class EPTimeoutError(EPError):
-    """One or more peers did not arrive within ``timeout_s``; ``missing_ranks`` names them."""
+    """Peers did not take part in a call: ``missing_ranks`` names every rank that did not arrive within
+    ``timeout_s``; ``lost_ranks`` (a subset) those known to be gone: their process exited or was
+    killed, or they closed their end of the communicator."""
 
-    def __init__(self, message: str, missing_ranks: Iterable[int] = ()):
-        self.missing_ranks: Sequence[int] = tuple(sorted(set(missing_ranks)))
+    def __init__(self, message: str, missing_ranks: Iterable[int] = (), lost_ranks: Iterable[int] = ()):
+        self.lost_ranks: Sequence[int] = tuple(sorted(set(lost_ranks)))
+        self.missing_ranks: Sequence[int] = tuple(sorted(set(missing_ranks) | set(self.lost_ranks)))
         super().__init__(message)
+
+    def __reduce__(self):  # keep both rank lists when the error crosses a process boundary
+        return (type(self), (str(self), self.missing_ranks, self.lost_ranks))
 
 
 __all__ = ["EPError", "EPConfigError", "EPInputError", "EPTopologyError", "EPTimeoutError"]

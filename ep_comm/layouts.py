@@ -1,4 +1,4 @@
-"""``Dispatched``: what ``dispatch`` hands to the engine's expert kernels (DESIGN §3)."""
+"""``Dispatched``: what ``dispatch`` hands to the engine's expert kernels (docs/design.md §6)."""
 from __future__ import annotations
 
 import dataclasses

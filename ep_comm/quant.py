@@ -1,4 +1,4 @@
-"""FP8 (e4m3) per-token, per-128-channel quantisation (DESIGN §2, the DeepSeek-V3 recipe)."""
+"""FP8 (e4m3) per-token, per-128-channel quantisation (docs/design.md §5, the DeepSeek-V3 recipe)."""
 from __future__ import annotations
 
 import torch

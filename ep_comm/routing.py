@@ -1,4 +1,4 @@
-"""Routing guard and NaN-safe top-k (DESIGN §3, seed bugs vLLM #39593 and #39391).
+"""Routing guard and NaN-safe top-k (docs/design.md §8, seed bugs vLLM #39593 and #39391).
 
 Everything here runs on the device without host synchronisation except ``find_invalid_ids``, which the
 eager validation path uses to name the offending token.

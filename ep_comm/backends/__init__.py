@@ -10,7 +10,7 @@ from .naive import NaiveBackend
 
 _REGISTRY: dict[str, Type] = {}
 
-#: order in which ``backend="auto"`` tries backends (DESIGN §1)
+#: order in which ``backend="auto"`` tries backends (docs/design.md §12)
 AUTO_ORDER = ("mnnvl", "nvshmem", "ag_rs")
 
 #: backends of the contract that are not part of this build yet, with the reason shown to users

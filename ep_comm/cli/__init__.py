@@ -19,7 +19,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def default_backends(values: Optional[Sequence[str]]) -> list[str]:
     """``--backend`` as given, else ``auto`` when ``$EP_COMM_BACKEND`` picks one, else ``all``.
 
-    The variable only overrides ``backend="auto"`` (DESIGN §2); defaulting to ``auto`` when it is set
+    The variable only overrides ``backend="auto"`` (docs/design.md §12); defaulting to ``auto`` when it is set
     makes ``EP_COMM_BACKEND=nvshmem ep-comm bench`` (or a launch script) time just that backend.
     """
     if values:

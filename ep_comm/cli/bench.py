@@ -1,4 +1,4 @@
-"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (DESIGN §7).
+"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (docs/design.md §17).
 
 For every token count: the all_to_all_single baseline is timed once, then, for every backend and
 layout:
@@ -40,7 +40,7 @@ from .bench_report import Reporter, device_name
 from .launcher import RankEnv, agree_exit_code, gather_objects, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
 
-FP8_SCALE_BLOCK = 128  # channels per fp8 scale (DESIGN §2); a float32 scale rides with each block
+FP8_SCALE_BLOCK = 128  # channels per fp8 scale (docs/design.md §5); a float32 scale rides with each block
 __all__ = ["add_arguments", "check_arguments", "worker", "remote_sends"]
 
 
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=64,
                    help="tokens per rank of the oracle check before timing (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs (default: 0)")
-    p.add_argument("--json", metavar="PATH", help="write the DESIGN §7 JSON here (rewritten after every row)")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report (docs/design.md §17) here (rewritten after every row)")
     p.add_argument("--plot", metavar="PATH", help="PNG of p50 latency vs tokens (needs matplotlib)")
     p.add_argument("--peer", nargs="+", default=None, metavar="NAME", choices=("deepep", "nccl_ep"),
                    help="also check and time a peer library in the same processes on the same inputs: deepep "

@@ -64,8 +64,13 @@ def check_nproc(nproc: int) -> Optional[str]:
     return None
 
 
-def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float) -> int:
-    """Run ``worker(args)`` on every rank and return the exit code for this process."""
+def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
+              failure_grace_s: Optional[float] = None) -> int:
+    """Run ``worker(args)`` on every rank and return the exit code for this process.
+
+    Self-spawned ranks still running ``failure_grace_s`` after one rank failed are killed (their own
+    typed errors normally end them well before); none outlives this call.
+    """
     info = external_launch()
     if info is not None:
         if nproc is not None and nproc != info.world_size and info.rank == 0:
@@ -85,7 +90,8 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float)
     # torch (97% of a rank's import time) is imported once in a fork server, not once per rank; only
     # torch: importing it never initialises CUDA, so forking after it is safe (ep_comm modules could)
     results = spawn_local(_spawned_entry, nproc, (worker, args), timeout_s=timeout_s,
-                          extra_env=lambda rank: {_SPAWNED_ENV: str(nproc)}, preload=("torch", "torch.distributed"))
+                          extra_env=lambda rank: {_SPAWNED_ENV: str(nproc)}, preload=("torch", "torch.distributed"),
+                          failure_grace_s=failure_grace_s)
     code = 0
     for res in results:
         if res.ok:
@@ -217,14 +223,51 @@ def agree_exit_code(env: RankEnv, code: int) -> int:
 
 
 def teardown() -> None:
-    """Destroy the process groups (quiet exit under NCCL; harmless on gloo)."""
-    import torch.distributed as dist
+    """Destroy the process groups (quiet exit under NCCL), or abort them after a peer was lost
+    (destroying an NCCL group waits for the dead peer forever).  Never raises."""
+    from ..distributed import shutdown
 
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # teardown problems must not turn a passing run into a failure
-            pass
+    shutdown()
+
+
+class PeerWatch:
+    """Backstop for a rank whose peer died while it is stuck where no error can reach it.
+
+    On gloo a dead peer fails the pending collective at once and the rank raises a typed error by
+    itself.  On NCCL the host can sit in a device synchronisation behind a kernel that waits for the
+    dead peer forever.  This thread looks at the peers' processes (same machine, ``/proc``) every
+    ``poll_s``; once one is gone it gives the rank ``grace_s`` to end on its own, then prints the
+    typed error and ends the process with exit code 1.  ``stop()`` it before the ranks leave normally
+    (a peer that finished first is not a failure).
+    """
+
+    def __init__(self, control: Any, label: str, grace_s: float, poll_s: float = 0.5):
+        import threading
+
+        self._control, self._label, self._grace_s, self._poll_s = control, label, grace_s, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ep-comm-peer-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            lost = self._control.lost_peers(use_store=False)
+            if not lost:
+                continue
+            if self._stop.wait(self._grace_s):
+                return
+            from ..errors import EPTimeoutError
+
+            err = EPTimeoutError(
+                f"rank {self._control.rank}: " + "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(lost.items()))
+                + f"; this rank did not finish within {self._grace_s:g} s after that and is ending itself",
+                missing_ranks=lost, lost_ranks=lost)
+            print(f"{self._label}: rank {self._control.rank}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            os._exit(1)  # no cleanup on purpose: it is what we are stuck in
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def say(env: RankEnv, *parts: Any, file=None) -> None:

@@ -14,14 +14,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
-#: multicast / NVLS stays off on the shared GPU hosts this runs on (DESIGN §6); these are only
+#: multicast / NVLS stays off on the shared GPU hosts this runs on (docs/design.md §15); these are only
 #: defaults: a value already in the environment wins, so a site that wants NVLS can export it.
 NVLS_OFF_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
 
 EPILOG = """\
 examples:
   ep-comm info
-  ep-comm bench --tokens 128 4096 --json bench.json      # DESIGN §7 table + JSON, all usable backends
+  ep-comm bench --tokens 128 4096 --json bench.json      # docs/design.md §17 table + JSON, all usable backends
   ep-comm bench --nproc 2 --tokens 32 --hidden 512 --experts 16 --topk 4 --backend ag_rs --layout batched
   ep-comm stress --nproc 4 --iters 200
   torchrun --nproc-per-node 8 -m ep_comm bench --mode graph
@@ -84,7 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from .launcher import run_ranks
 
-    return run_ranks(module.worker, args, args.nproc, args.timeout)
+    # once a rank fails, the others get --op-timeout (their own typed errors) plus a margin to end
+    return run_ranks(module.worker, args, args.nproc, args.timeout, failure_grace_s=args.op_timeout + 15.0)
 
 
 if __name__ == "__main__":  # pragma: no cover

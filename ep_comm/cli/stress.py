@@ -25,9 +25,10 @@ import torch
 from .. import oracle
 from ..communicator import Communicator
 from ..config import FP8_BLOCK, EPConfig
-from ..errors import EPConfigError, EPTopologyError
+from ..distributed.control import ControlPlane
+from ..errors import EPConfigError, EPTimeoutError, EPTopologyError
 from . import DTYPES, default_backends, format_table, resolve_backend_request
-from .launcher import RankEnv, agree_exit_code, gather_objects, say, setup_rank, teardown
+from .launcher import PeerWatch, RankEnv, agree_exit_code, say, setup_rank, teardown
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--keep-going", action="store_true", help="run every iteration even after a mismatch")
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: one wrong combine
+    # tests: the last rank raises a plain Python exception between a dispatch and its combine
+    p.add_argument("--inject-exception", action="store_true", help=argparse.SUPPRESS)
 
 
 def check_arguments(args: argparse.Namespace) -> Optional[str]:
@@ -106,6 +109,10 @@ def fault_iteration(args: argparse.Namespace) -> int:
     return args.start + args.iters // 2
 
 
+class InjectedError(RuntimeError):
+    """What ``--inject-exception`` raises: an ordinary bug in the caller, between two calls."""
+
+
 # -- the worker -------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
     env = setup_rank(max(300.0, 3 * args.op_timeout))
@@ -163,26 +170,36 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         say(env, f"error: --experts {args.experts} is not divisible by the world size {world}")
         return 2
     fp8_ok = args.hidden % FP8_BLOCK == 0
-    comms, notes, code = _make_comms(env, args, fp8_ok)
-    for note in notes:
-        say(env, f"note: {note}")
-    if code or not comms:
-        say(env, "error: no requested backend is usable" if not comms else "error: a requested backend is not usable")
-        return code or 2
-    variants = sorted({(b, l) for b, l, _ in comms})
-    say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
-             f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
-             f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
-             + ", ".join(f"{b}/{l}" for b, l in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
-    stats = {v: Stats() for v in variants}
-    failed_cases: list[tuple[Case, list]] = []
-    progress = _Progress(args.iters, enabled=env.is_root)
-    t_start = time.perf_counter()
+    # the per-iteration gather of results goes over a control plane too: a peer that dies there is
+    # named in a typed error within --op-timeout instead of hanging in the default group
+    results_plane = ControlPlane(env.cpu_group, args.op_timeout)
+    comms: dict = {}
+    progress: Optional[_Progress] = None
+    reason = "closed"
     try:
+        comms, notes, code = _make_comms(env, args, fp8_ok)
+        for note in notes:
+            say(env, f"note: {note}")
+        if code or not comms:
+            say(env, "error: no requested backend is usable" if not comms else "error: a requested backend is not usable")
+            return code or 2
+        # a survivor stuck where no error reaches it (a device sync behind a dead peer's NCCL kernel)
+        # ends itself; on CPU the pending gloo call fails at once, so there it is only a late backstop
+        watch = PeerWatch(results_plane, "ep-comm stress",
+                          grace_s=2.0 if env.device.type == "cuda" else args.op_timeout + 5)
+        variants = sorted({(b, l) for b, l, _ in comms})
+        say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
+                 f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
+                 f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
+                 + ", ".join(f"{b}/{l}" for b, l in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
+        stats = {v: Stats() for v in variants}
+        failed_cases: list[tuple[Case, list]] = []
+        progress = _Progress(args.iters, enabled=env.is_root)
+        t_start = time.perf_counter()
         for it in range(args.start, args.start + args.iters):
             case = plan(args, it, world, fp8_ok)
             records = _run_case(env, args, comms, variants, case, stats)
-            everyone = gather_objects(env, records)  # [(backend, layout, [problems])] per rank
+            everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems])] per rank
             bad = [(r, b, l, ps) for r, recs in enumerate(everyone) for b, l, ps in recs if ps]
             for b, l in {(b, l) for _, b, l, _ in bad}:
                 stats[(b, l)].failures += 1
@@ -194,10 +211,18 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                     _print_failure(env, args, case, bad)
                 if not args.keep_going:
                     break
+        watch.stop()  # from here on, a peer that finished first and exited is no failure
+    except BaseException as exc:
+        # a lost peer (EPTimeoutError) or a bug here: this rank fails, and the reason it leaves with
+        # reaches the peers still waiting on it
+        reason = f"closed after {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         for comm in comms.values():
-            comm.close()
+            comm.close(reason)
+        results_plane.close(reason)
     elapsed = time.perf_counter() - t_start
     if env.is_root:
         _print_summary(env, args, stats, failed_cases, elapsed)
@@ -228,10 +253,15 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         try:
             d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
             problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
+            if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+                raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "
+                                    f"between dispatch and combine, at unix time {time.time():.3f}")
             y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
             if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
                 y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
             problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
+        except (EPTimeoutError, InjectedError):
+            raise  # a peer is gone (or this rank is the one failing): no further collective can work
         except Exception as exc:  # noqa: BLE001 - any failure of the library is a finding, reported with its case
             problems.append(f"{type(exc).__name__}: {exc}")
         st.seconds += time.perf_counter() - t0

@@ -53,13 +53,33 @@ def resolve_rendezvous(info: LaunchInfo, env=None) -> tuple[str, int]:
     )
 
 
-def _shutdown() -> None:
-    """Destroy the process group we created before interpreter teardown (avoids gloo/NCCL exit aborts)."""
-    if dist.is_initialized():
-        try:
+def shutdown(abort: Optional[bool] = None) -> None:
+    """Tear torch.distributed down without hanging.  A no-op when it is not initialised.
+
+    Normally destroys every process group.  When a peer is known to be gone (``abort=None``: an
+    ep_comm control plane in this process has seen a peer die or leave), NCCL groups are aborted
+    instead: destroying them waits for the dead peer, forever.  Gloo groups close their sockets
+    either way.
+    """
+    if not dist.is_initialized():
+        return
+    if abort is None:
+        from .control import peer_loss_seen
+
+        abort = peer_loss_seen()
+    try:
+        aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort and aborter is not None and dist.get_backend() == "nccl":
+            aborter()
+        else:
             dist.destroy_process_group()
-        except Exception:
-            pass
+    except Exception:  # teardown must never turn into the error the user sees
+        pass
+
+
+def _shutdown() -> None:
+    """At interpreter exit: the groups we created go before teardown (avoids gloo/NCCL exit aborts)."""
+    shutdown()
 
 
 def init_distributed(timeout_s: Optional[float] = None) -> Topology:
@@ -95,6 +115,13 @@ def init_distributed(timeout_s: Optional[float] = None) -> Topology:
                 raise EPTimeoutError(
                     f"rendezvous at {addr}:{port} timed out after {timeout.total_seconds():.0f}s: "
                     f"not every one of {info.world_size} ranks arrived ({exc})"
+                ) from exc
+            if info.rank != 0 and "connection" in str(exc).lower():
+                # with a tcp:// rendezvous rank 0 hosts the store: losing it means losing rank 0
+                raise EPTimeoutError(
+                    f"rendezvous at {addr}:{port} failed: the store hosted by rank 0 went away while the "
+                    f"{info.world_size} ranks were starting (rank 0 died or exited?) ({str(exc).splitlines()[0]})",
+                    missing_ranks=[0],
                 ) from exc
             raise
         atexit.register(_shutdown)

@@ -11,14 +11,22 @@ all-gathers a tiny status record over a CPU (gloo) group whose timeout is the co
     waiting in a collective that the faulty rank never enters;
   - every rank's live token count, for the all_gatherv/reduce_scatterv backends.
 The gloo group is separate from the data group, so this works the same for NCCL data planes.
+
+When an exchange fails, ``failure`` works out *why* before raising: a peer whose process has exited
+(same machine, from ``/proc``), a peer that closed its end of this communicator (a marker it leaves in
+the store), or a peer that never arrived (the arrival records).  Every failure ends up as one
+``EPTimeoutError`` naming those ranks, so a killed rank or a rank that raised between two calls gives
+its peers a typed error instead of a raw transport message or a hang.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import pickle
 import secrets
 import time
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -26,10 +34,46 @@ import torch.distributed as dist
 
 from ..errors import EPError, EPInputError, EPTimeoutError
 from .exchange import allgather_bytes_via
+from .liveness import ProcessIdentity, process_gone
 from .topology import Topology, local_host_id
 
-OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close"}
-OP_CREATE, OP_DISPATCH, OP_COMBINE, OP_CLOSE = 0, 1, 2, 3
+OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close", 4: "exchange"}
+OP_CREATE, OP_DISPATCH, OP_COMBINE, OP_CLOSE, OP_EXCHANGE = 0, 1, 2, 3, 4
+
+#: after the transport reports a lost connection, how long to look for the peer that caused it: a
+#: rank that raised is usually still closing its communicators, a killed one still being reaped
+SETTLE_S = 5.0
+
+# Transport messages that mean "a connection to a peer went away" (gloo over TCP).
+_LOST_CONNECTION = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed")
+
+_peer_loss_seen = False
+_blamed: set[int] = set()  # global ranks this process's control planes found gone or missing
+_open_planes: "weakref.WeakSet[ControlPlane]" = weakref.WeakSet()
+
+
+def peer_loss_seen() -> bool:
+    """Whether any control plane in this process has seen a peer die or leave (teardown then aborts)."""
+    return _peer_loss_seen
+
+
+def open_control_planes() -> int:
+    """Control planes created and not yet closed in this process (tests check it returns to 0)."""
+    return len(_open_planes)
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: first line`` of a transport error, without gloo's source path and advice."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    if first.startswith("[") and "] " in first:
+        first = first.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {first.split(' This is typically')[0]}"
+
+
+def lost_connection(exc: BaseException) -> bool:
+    """Whether a transport error says a connection to a peer was lost (rather than timed out)."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _LOST_CONNECTION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,21 +117,38 @@ class ControlPlane:
             raise EPError("torch.distributed has no rendezvous store to build the control plane on; "
                           "initialise with ep_comm.init_distributed() or an env:// / tcp:// init_method")
         self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base)
-        self._pg = dist.ProcessGroupGloo(
+        self.broken: Optional[str] = None
+        self._store_ok = True  # False once the store failed us (its host may be the dead rank)
+        self.identities: list[ProcessIdentity] = []
+        self._pg: Optional[dist.ProcessGroupGloo] = dist.ProcessGroupGloo(
             dist.PrefixStore("gloo/", self.store), self.rank, self.size,
             datetime.timedelta(seconds=self.timeout_s),
         )
-        self.broken: Optional[str] = None
+        _open_planes.add(self)
+        try:
+            # who runs where, and as which process: the latter lets a survivor tell later that a
+            # peer's process is gone without asking the peer
+            ids = self.gather_objects((local_host_id(), ProcessIdentity.current()))
+        except BaseException:
+            self.close("failed while being created")
+            raise
+        self.host_ids: list[str] = [str(h) for h, _ in ids]
+        self.identities = [i for _, i in ids]
 
-    def _allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def _allgather(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1) -> list[torch.Tensor]:
+        pg = self._pg
+        if pg is None:
+            raise EPError("the communicator's control plane is closed")
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._pg.allgather([outs], [tensor]).wait()
+        try:
+            pg.allgather([outs], [tensor]).wait()
+        except RuntimeError as exc:
+            raise self.failure(op, epoch, exc) from exc
         return outs
 
     def topology(self, device_index: Optional[int] = None) -> Topology:
-        """Collective: this group's Topology (host ids all-gathered over the control plane)."""
-        return Topology.from_host_ids(self.rank, [str(h) for h in self.gather_objects(local_host_id())],
-                                      device_index)
+        """This group's Topology (host ids were all-gathered when the control plane was created)."""
+        return Topology.from_host_ids(self.rank, self.host_ids, device_index)
 
     # -- the one per-call exchange -------------------------------------------------------------------
     def agree(
@@ -101,11 +162,7 @@ class ControlPlane:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
         self._record_arrival(op, epoch)
         mine = torch.tensor([op, epoch, 1 if error is not None else 0, num_tokens], dtype=torch.int64)
-        try:
-            gathered = self._allgather(mine)
-        except RuntimeError as exc:
-            self.broken = f"peer exchange failed in {OP_NAMES[op]} epoch {epoch}"
-            raise self._timeout_error(op, epoch, exc) from exc
+        gathered = self._allgather(mine, op, epoch)  # a failure raises the typed error naming the peers
         peers = [PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)]
 
         if any(p.status for p in peers):
@@ -126,53 +183,131 @@ class ControlPlane:
         return allgather_bytes_via(self._allgather, data)
 
     def barrier(self) -> None:
-        self._pg.barrier().wait()
+        self._allgather(torch.zeros(1, dtype=torch.uint8))  # an all-gather: same typed failures as the rest
 
     def gather_objects(self, obj) -> list:
         """All-gather picklable objects."""
         return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj))]
 
     # -- error paths ---------------------------------------------------------------------------------
+    def _store_call(self, fn, *args):
+        """A store call that never raises: None when it failed (the store is then left alone)."""
+        if not self._store_ok:
+            return None
+        try:
+            return fn(*args)
+        except Exception:  # the store's host may be the rank that died; stop asking it
+            self._store_ok = False
+            return None
+
     def _record_arrival(self, op: int, epoch: int) -> None:
-        if self.store is not None:
-            try:
-                self.store.set(f"arrive/{self.rank}", f"{op}:{epoch}")
-            except Exception:  # the store is advisory; a failure must not break the call itself
-                pass
+        # advisory: a failure here must not break the call itself
+        self._store_call(self.store.set, f"arrive/{self.rank}", f"{op}:{epoch}")
+
+    def _read(self, key: str) -> Optional[str]:
+        if not self._store_call(self.store.check, [key]):
+            return None
+        raw = self._store_call(self.store.get, key)
+        return None if raw is None else raw.decode(errors="replace")
 
     def _last_seen(self, rank: int) -> Optional[tuple[int, int]]:
-        if self.store is None:
+        raw = self._read(f"arrive/{rank}")
+        if raw is None:
             return None
-        key = f"arrive/{rank}"
-        try:
-            if not self.store.check([key]):
-                return None
-            op, epoch = self.store.get(key).decode().split(":")
-            return int(op), int(epoch)
-        except Exception:
-            return None
+        op, epoch = raw.split(":")
+        return int(op), int(epoch)
 
-    def _timeout_error(self, op: int, epoch: int, exc: BaseException) -> EPTimeoutError:
-        # Give slow peers a moment to record their arrival before we call them missing.
-        time.sleep(0.05)
-        missing, seen = [], []
+    def _left_markers(self) -> dict[int, tuple[str, list[int]]]:
+        """``{rank: (reason, ranks it blamed)}`` for the peers that closed their end of this plane."""
+        out = {}
         for r in range(self.size):
-            if r == self.rank:
+            raw = self._read(f"left/{r}") if r != self.rank else None
+            if raw is None:
                 continue
-            last = self._last_seen(r)
-            if last != (op, epoch):
-                missing.append(r)
-                where = "never arrived" if last is None else f"last seen in {OP_NAMES.get(last[0])} epoch {last[1]}"
-                seen.append(f"rank {r} ({where})")
-        if not missing and self.store is None:
-            missing = [r for r in range(self.size) if r != self.rank]
-            seen = ["store unavailable: cannot tell which peer"]
-        detail = "; ".join(seen) if seen else "all peers had arrived; the exchange itself failed"
-        return EPTimeoutError(
-            f"rank {self.rank}: {OP_NAMES[op]} epoch {epoch} did not complete within timeout_s={self.timeout_s:g}: "
-            f"missing {detail} [{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}]",
-            missing_ranks=missing,
-        )
+            try:
+                marker = json.loads(raw)
+                blamed = [self.global_ranks.index(g) for g in marker.get("because_of", []) if g in self.global_ranks]
+                out[r] = (str(marker.get("reason", "")), blamed)
+            except (ValueError, AttributeError):
+                out[r] = (raw, [])
+        return out
+
+    def _diagnose(self, use_store: bool) -> tuple[dict[int, str], dict[int, list[int]]]:
+        """``(gone, followers)``: ``{rank: why}`` for peers that are gone on their own account (process
+        exited, or closed this plane for a reason of their own, or named as gone by a peer that left),
+        and ``{rank: [ranks it lost]}`` for peers that closed this plane because they lost others."""
+        gone: dict[int, str] = {}
+        for r, ident in enumerate(self.identities):
+            if r != self.rank:
+                why = process_gone(ident)
+                if why:
+                    gone[r] = why
+        followers: dict[int, list[int]] = {}
+        if use_store:
+            markers = self._left_markers()
+            for r, (reason, blamed) in markers.items():
+                if r in gone:
+                    continue
+                if blamed:
+                    followers[r] = blamed
+                else:
+                    gone[r] = f"it closed its end of the communicator: {reason}"
+            for r, blamed in followers.items():
+                for b in blamed:  # a peer on another machine may have seen what we cannot
+                    if b != self.rank and b not in gone:
+                        gone[b] = f"rank {r} lost it"
+        return gone, followers
+
+    def lost_peers(self, use_store: bool = True) -> dict[int, str]:
+        """``{rank: why}`` for peers known to be gone: their process exited (same machine only), they
+        closed their end of this control plane, or a peer that left names them.  Without the store
+        this is a few ``/proc`` reads."""
+        return self._diagnose(use_store)[0]
+
+    def failure(self, op: int, epoch: int, exc: BaseException) -> EPTimeoutError:
+        """The typed error for a failed exchange with the peers; marks this control plane broken.
+
+        Names the peers that are gone first, then those that left because of them, then those that
+        never arrived at ``(op, epoch)``.  When the transport says a connection was lost, waits up to
+        ``SETTLE_S`` for the evidence to show.
+        """
+        global _peer_loss_seen
+        self.broken = self.broken or f"peer exchange failed in {OP_NAMES.get(op, op)} epoch {epoch}"
+        deadline = time.monotonic() + (min(SETTLE_S, self.timeout_s) if lost_connection(exc) else 0.05)
+        gone, followers = self._diagnose(True)
+        while not gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone, followers = self._diagnose(True)
+        parts = [f"rank {r} is gone ({why})" for r, why in sorted(gone.items())]
+        if followers:
+            parts.append(", ".join(f"rank {r}" for r in sorted(followers)) + " left after losing "
+                         + ", ".join(sorted({f"rank {b}" for bl in followers.values() for b in bl})))
+        missing = sorted(gone) + sorted(followers)
+        if op in (OP_DISPATCH, OP_COMBINE) and self._store_ok:  # the calls that leave arrival records
+            for r in range(self.size):
+                if r == self.rank or r in missing:
+                    continue
+                last = self._last_seen(r)
+                if last != (op, epoch):
+                    missing.append(r)
+                    where = "never arrived" if last is None else \
+                        f"last seen in {OP_NAMES.get(last[0])} epoch {last[1]}"
+                    parts.append(f"rank {r} ({where})")
+        if not self._store_ok:
+            parts.append("arrival records unavailable: the rendezvous store is unreachable")
+        if gone:
+            _peer_loss_seen = True
+        _blamed.update(self.global_ranks[r] for r in missing if r not in followers)
+        call = f"rank {self.rank}: {OP_NAMES.get(op, op)}" + (f" epoch {epoch}" if epoch >= 0 else "")
+        if gone:
+            msg = f"{call} failed: " + "; ".join(parts)
+        elif lost_connection(exc):
+            msg = (f"{call} failed: the connection to a peer was lost and no rank could be identified as gone"
+                   + (f" ({'; '.join(parts)})" if parts else ""))
+        else:
+            detail = "; ".join(parts) if parts else "all peers had arrived; the exchange itself failed"
+            msg = f"{call} did not complete within timeout_s={self.timeout_s:g}: missing {detail}"
+        return EPTimeoutError(f"{msg} [{_summary(exc)}]", missing_ranks=missing, lost_ranks=sorted(gone))
 
     def _raise_input_errors(self, peers: Sequence[PeerStatus], error: Optional[BaseException]) -> None:
         messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
@@ -182,12 +317,22 @@ class ControlPlane:
         desc = "; ".join(f"rank {r}: {m}" for r, m in bad)
         raise EPInputError(f"invalid input on peer rank(s) {[r for r, _ in bad]} ({desc})")
 
-    def close(self) -> None:
-        """Shut the gloo group down now: left to interpreter exit, its threads can abort the process."""
-        self.broken = self.broken or "closed"
+    def close(self, reason: str = "closed") -> None:
+        """Shut the gloo group down now (left to interpreter exit, its threads can abort the process).
+
+        Leaves ``reason`` in the store first, so a peer still waiting on this rank learns that it left
+        rather than timing out.  Idempotent; not collective.
+        """
         pg, self._pg = self._pg, None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:  # older torch: no shutdown(); the object's destructor closes it
-                pass
+        if pg is None:
+            return
+        self.broken = self.broken or "closed"
+        _open_planes.discard(self)
+        # the ranks this process found gone or missing travel along, so that a peer which cannot see
+        # them itself (another machine) still names the root cause rather than this rank
+        because = sorted(g for g in _blamed if g in self.global_ranks)
+        self._store_call(self.store.set, f"left/{self.rank}", json.dumps({"reason": reason[:300], "because_of": because}))
+        try:
+            pg.shutdown()
+        except Exception:  # older torch: no shutdown(); the object's destructor closes it
+            pass

@@ -7,12 +7,14 @@ caller has (None, a torch ProcessGroup, an mpi4py communicator, an Exchange) int
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from ..errors import EPConfigError, EPError
 
-__all__ = ["Exchange", "TorchExchange", "MPIExchange", "LocalExchange", "exchange_from", "allgather_bytes_via"]
+__all__ = ["Exchange", "TorchExchange", "MPIExchange", "LocalExchange", "exchange_from", "allgather_bytes_via",
+           "close_exchange", "cached_gloo_groups"]
 
 
 @runtime_checkable
@@ -69,11 +71,19 @@ class LocalExchange:
         return "LocalExchange()"
 
 
-# One gloo group per (default group, member ranks).  Creating a group is collective and opens new
-# TCP connections, so doing it on every SymmetricBuffer.create would be slow and would leak groups.
-# Because TorchExchange objects are created in the same program order on every rank, every rank hits
-# or misses this cache together (a one-sided miss would hang in new_group).
-_GLOO_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+# One gloo group per (default group, member ranks), shared by the open TorchExchange objects over
+# those ranks and destroyed when the last of them is closed.  Creating a group is collective and
+# opens new TCP connections, so two exchanges alive at once share one.  Every rank opens and closes
+# its TorchExchanges in the same program order, so every rank hits or misses this cache together (a
+# one-sided miss would hang in new_group).
+@dataclasses.dataclass
+class _Shadow:
+    world: Any  # the default group the entry was made under (a re-initialised world gets new entries)
+    group: Any
+    users: int
+
+
+_GLOO_GROUPS: dict[tuple[int, tuple[int, ...]], _Shadow] = {}
 
 
 def _supports_cpu_tensors(dist: Any, group: Any) -> bool:
@@ -85,30 +95,57 @@ def _supports_cpu_tensors(dist: Any, group: Any) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend
 
 
-def _gloo_group_for(dist: Any, group: Any) -> Any:
+def _acquire_gloo_group(dist: Any, group: Any) -> tuple[Any, Optional[tuple[int, tuple[int, ...]]]]:
+    """A group over the same ranks as ``group`` that carries CPU tensors, and its cache key (None when
+    ``group`` itself can be used and nothing was acquired)."""
     world = dist.group.WORLD
     is_world = group is None or group is world
     if _supports_cpu_tensors(dist, world if is_world else group):
-        return world if is_world else group
+        return (world if is_world else group), None
+    for key in [k for k, v in _GLOO_GROUPS.items() if v.world is not world]:
+        del _GLOO_GROUPS[key]  # made under a world that has since been destroyed (and its groups with it)
     ranks = tuple(range(dist.get_world_size())) if is_world else tuple(sorted(dist.get_process_group_ranks(group)))
     key = (id(world), ranks)
     hit = _GLOO_GROUPS.get(key)
-    if hit is not None and hit[0] is world:  # same default group object, not a reused id
-        return hit[1]
+    if hit is not None:
+        hit.users += 1
+        return hit.group, key
     if is_world:
         gloo = dist.new_group(backend="gloo")
     else:
         # only the members call this, so ask torch not to wait for the whole world
         gloo = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
-    _GLOO_GROUPS[key] = (world, gloo)
-    return gloo
+    _GLOO_GROUPS[key] = _Shadow(world, gloo, 1)
+    return gloo, key
+
+
+def _release_gloo_group(dist: Any, key: tuple[int, tuple[int, ...]]) -> None:
+    entry = _GLOO_GROUPS.get(key)
+    if entry is None:  # the world was destroyed and re-created since: nothing of ours is left
+        return
+    entry.users -= 1
+    if entry.users > 0:
+        return
+    del _GLOO_GROUPS[key]
+    if dist.is_initialized() and entry.world is dist.group.WORLD:
+        try:
+            dist.destroy_process_group(entry.group)  # local: closes this rank's sockets and threads
+        except (RuntimeError, ValueError):  # already destroyed by the application
+            pass
+
+
+def cached_gloo_groups() -> int:
+    """How many shadow gloo groups TorchExchange holds open right now (tests check it returns to 0)."""
+    return len(_GLOO_GROUPS)
 
 
 class TorchExchange:
     """``Exchange`` over torch.distributed.
 
     Bytes travel as CPU uint8 tensors over gloo: when ``group`` (default: world) has no CPU backend
-    (plain NCCL), a gloo group with the same members is created once, collectively, and cached.
+    (plain NCCL), a gloo group with the same members is created, collectively, and shared with the
+    other open TorchExchanges over the same ranks.  ``close()`` (or leaving a ``with`` block) gives it
+    back; the last user destroys it.  Open and close TorchExchanges in the same order on every rank.
     Variable-length data: the lengths are all-gathered first, then padded uint8 buffers.
     """
 
@@ -121,16 +158,19 @@ class TorchExchange:
             )
         self._dist = dist
         self.group = group
-        self._cpu_group = _gloo_group_for(dist, group)
+        self._cpu_group, self._key = _acquire_gloo_group(dist, group)
+        self._closed = False
         self.rank: int = dist.get_rank(self._cpu_group)
         self.size: int = dist.get_world_size(self._cpu_group)
         if group is not None and self.rank != dist.get_rank(group):
             # both groups list the same global ranks in ascending order, so this cannot differ
             # unless torch changed how it numbers group ranks
+            self.close()
             raise EPError(f"gloo shadow group numbers this rank {self.rank}, the group {dist.get_rank(group)}")
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """All-gather one byte string per rank (lengths may differ)."""
+        self._check_open()
 
         def gather(t):
             outs = [t.new_empty(t.shape) for _ in range(self.size)]
@@ -140,7 +180,26 @@ class TorchExchange:
         return allgather_bytes_via(gather, data)
 
     def barrier(self) -> None:
+        self._check_open()
         self._dist.barrier(group=self._cpu_group)
+
+    def close(self) -> None:
+        """Give back the shadow gloo group (destroyed with its last user).  Idempotent, not collective."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._key is not None:
+            _release_gloo_group(self._dist, self._key)
+
+    def __enter__(self) -> "TorchExchange":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EPError("TorchExchange is closed")
 
     def __repr__(self) -> str:
         return f"TorchExchange(rank={self.rank}, size={self.size})"
@@ -182,6 +241,9 @@ def exchange_from(obj: Any = None) -> Exchange:
       there would make every rank think it is alone).
     - a torch ``ProcessGroup``: ``TorchExchange(obj)``; an mpi4py communicator: ``MPIExchange(obj)``;
       anything with ``rank``, ``size``, ``allgather_bytes`` and ``barrier``: returned as is.
+
+    An exchange made here (``obj`` is not already an Exchange) belongs to the caller, who closes it
+    with ``close_exchange`` once done, at the same point on every rank.
     """
     if obj is None:
         try:
@@ -215,3 +277,10 @@ def exchange_from(obj: Any = None) -> Exchange:
     raise EPConfigError(
         "group", obj, "expected None, a torch.distributed ProcessGroup, an mpi4py communicator or an Exchange"
     )
+
+
+def close_exchange(ex: Any) -> None:
+    """Close ``ex`` if it has a ``close`` (a TorchExchange does; MPI and local exchanges hold nothing)."""
+    close = getattr(ex, "close", None)
+    if callable(close):
+        close()

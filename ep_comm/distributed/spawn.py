@@ -3,7 +3,8 @@
 Each child gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
 any extra per-rank environment, runs ``fn(*args)``, and sends back either its return value or the
 exception it raised (type name, message, traceback).  The parent never hangs: children that do not
-finish within ``timeout_s`` are killed and reported.
+finish within ``timeout_s`` (or within ``failure_grace_s`` of another rank's failure) are killed and
+reported, and no child outlives ``spawn_local``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -53,6 +55,7 @@ def spawn_local(
     timeout_s: float = 300.0,
     extra_env: Optional[Callable[[int], Mapping[str, str]]] = None,
     preload: Sequence[str] = (),
+    failure_grace_s: Optional[float] = None,
 ) -> list[RankResult]:
     """Start ``nproc`` processes running ``fn(*args)`` as ranks of one torchrun-like job.
 
@@ -62,6 +65,10 @@ def spawn_local(
     torch costs seconds of CPU per process, paid N times at once by N spawned ranks; the fork server
     pays it once.  Forking stays CUDA-safe as long as importing ``preload`` initialises no CUDA context
     (true of torch itself): the server is a fresh interpreter that only imports.
+
+    Ranks still running after ``timeout_s`` are killed.  With ``failure_grace_s``, once one rank has
+    failed (raised, or died without reporting, e.g. ``kill -9``) the others get that many seconds to
+    notice and finish; then they are killed too.  No child outlives this call.
     """
     if preload:
         ctx = mp.get_context("forkserver")
@@ -71,46 +78,92 @@ def spawn_local(
     results = ctx.Queue()
     port = free_port()
     procs = []
-    for rank in range(nproc):
-        env = {
-            "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        }
-        if extra_env is not None:
-            env.update(extra_env(rank))
-        p = ctx.Process(target=_child, args=(fn, tuple(args), rank, env, results), daemon=False)
-        p.start()
-        procs.append(p)
-
-    collected: dict[int, RankResult] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(collected) < nproc and time.monotonic() < deadline:
-        try:
-            res = results.get(timeout=0.2)
-            collected[res.rank] = res
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs):
-                # drain what is left, then stop waiting for ranks that died without reporting
-                try:
-                    while True:
-                        res = results.get(timeout=0.5)
-                        collected[res.rank] = res
-                except queue.Empty:
-                    break
-    for p in procs:
-        p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
-        if p.is_alive():
-            p.kill()
+    try:
+        for rank in range(nproc):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            }
+            if extra_env is not None:
+                env.update(extra_env(rank))
+            p = ctx.Process(target=_child, args=(fn, tuple(args), rank, env, results), daemon=False)
+            p.start()
+            procs.append(p)
+        collected, killed = _collect(procs, results, timeout_s, failure_grace_s)
+    finally:
+        for p in procs:  # an interrupted parent (Ctrl-C, an exception) still takes its children along
+            if p.is_alive():
+                p.kill()
             p.join()
     out = []
     for rank, p in enumerate(procs):
         res = collected.get(rank)
         if res is None:
-            why = "timed out" if p.exitcode in (None, -9) else f"died with exit code {p.exitcode}"
-            res = RankResult(rank, False, None, "SpawnError", f"rank {rank} {why} without reporting")
+            res = RankResult(rank, False, None, "SpawnError", f"rank {rank} {killed.get(rank) or _exit_reason(p.exitcode)}")
         res.exitcode = p.exitcode
         out.append(res)
     return out
+
+
+def _exit_reason(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-code} ({name}) without reporting"
+    return f"exited with code {code} without reporting"
+
+
+def _collect(procs: list, results, timeout_s: float, grace_s: Optional[float]) -> tuple[dict, dict]:
+    """Wait for the ranks' reports; returns ``({rank: RankResult}, {rank: why it was killed})``."""
+    nproc = len(procs)
+    collected: dict[int, RankResult] = {}
+    deadline = time.monotonic() + timeout_s
+    failed: Optional[str] = None  # the first failure, once seen
+
+    def note_failure(what: str) -> None:
+        nonlocal failed, deadline
+        if failed is None:
+            failed = what
+            if grace_s is not None:
+                deadline = min(deadline, time.monotonic() + grace_s)
+
+    while len(collected) < nproc and time.monotonic() < deadline:
+        try:
+            res = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in collected and not p.is_alive()]
+            for r in dead:
+                if procs[r].exitcode != 0:
+                    note_failure(f"rank {r} {_exit_reason(procs[r].exitcode)}")
+            if len(dead) == nproc - len(collected):
+                break  # everyone left has exited: whatever they reported is drained below
+            continue
+        collected[res.rank] = res
+        if not res.ok:
+            note_failure(f"rank {res.rank} raised {res.error_type}")
+    killed: dict[int, str] = {}
+    for r, p in enumerate(procs):
+        if r not in collected and p.is_alive():
+            p.kill()
+            killed[r] = (f"was still running {grace_s:g} s after {failed}; killed by the launcher"
+                         if failed is not None and grace_s is not None else
+                         f"did not finish within {timeout_s:g} s; killed by the launcher")
+    for p in procs:
+        # a rank that reported may still be exiting; one stuck in teardown is killed (its exit code,
+        # -9 after a report, is what raise_on_failure then shows)
+        p.join(timeout=max(0.0, min(10.0, deadline + 10.0 - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    try:  # reports sent just before a rank exited (or was killed) are still in the pipe
+        while True:
+            res = results.get(timeout=0.2)
+            collected.setdefault(res.rank, res)
+    except queue.Empty:
+        pass
+    return collected, killed
 
 
 def raise_on_failure(results: Sequence[RankResult]) -> list[Any]:

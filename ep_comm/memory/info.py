@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
-from ..distributed.exchange import Exchange, LocalExchange, exchange_from
+from ..distributed.exchange import Exchange, LocalExchange, close_exchange, exchange_from
 from ..distributed.topology import Topology, local_host_id
 from ..errors import EPError
 from .plan import DEFAULT_FALLBACK_BACKENDS, plan_handles
@@ -42,6 +42,14 @@ def memory_info(
     "cuda": bool}``.
     """
     ex = _default_exchange(exchange)
+    try:
+        return _memory_info(ex, device_index, usable_backends)
+    finally:
+        if ex is not exchange:  # made here from None / a ProcessGroup
+            close_exchange(ex)
+
+
+def _memory_info(ex: Exchange, device_index: Optional[int], usable_backends: Sequence[str]) -> dict[str, Any]:
     try:
         caps = probe_capabilities(device_index)
     except Exception as exc:  # the report must still come out (and peers must not wait forever)

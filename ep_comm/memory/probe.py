@@ -2,7 +2,7 @@
 
 The device attribute ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`` is not enough: in a
 container without an IMEX channel it reads 1 while ``cuMemCreate`` with a FABRIC handle type returns
-``CUDA_ERROR_NOT_PERMITTED`` (DESIGN §6).  So the probe makes a real small allocation of each handle
+``CUDA_ERROR_NOT_PERMITTED`` (docs/design.md §14).  So the probe makes a real small allocation of each handle
 type, exports it, and releases it.  The result is a small frozen ``Capabilities`` that ranks
 all-gather (as bytes) before deciding how to map each other's memory.
 """

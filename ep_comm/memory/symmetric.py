@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..distributed.exchange import Exchange, exchange_from
+from ..distributed.exchange import Exchange, close_exchange, exchange_from
 from ..distributed.topology import Topology, local_host_id
 from ..errors import EPConfigError, EPError
 from . import _driver
@@ -191,7 +191,7 @@ class SymmetricBuffer:
     Tensors from ``local``/``peer`` become invalid after ``close()``.
     """
 
-    def __init__(self, res: _Resources, plan: HandlePlan, nbytes: int, stride: int, exchange: Exchange,
+    def __init__(self, res: _Resources, plan: HandlePlan, nbytes: int, stride: int, exchange: Optional[Exchange],
                  views: list[torch.Tensor], peer_ptrs: torch.Tensor):
         # built by ``create`` only: the views and pointer table already exist at this point, so
         # nothing that can fail happens after the last all-gather of the collective creation
@@ -227,10 +227,25 @@ class SymmetricBuffer:
         ``device_index``: GPU to allocate on (default: topology's, else torch's current device).
         ``usable_backends``: named in the ``EPTopologyError`` when peers cannot be mapped.
         ``timeout_s``: limit for the same-host fd hand-over.
-        Every rank must pass the same ``nbytes``.
+        Every rank must pass the same ``nbytes``.  Pass an ``Exchange`` you keep open (e.g. a
+        ``TorchExchange``) when creating several buffers over an NCCL group: a temporary one made from
+        None or a ProcessGroup builds (and afterwards destroys) a gloo group for each call.
         """
         _release_deferred()
         ex = exchange_from(exchange)
+        temporary = ex is not exchange  # made here from None / a ProcessGroup: ours to give back
+        try:
+            buf = cls._create(ex, nbytes, topology, device_index, usable_backends, timeout_s)
+            if temporary:
+                buf.exchange = None  # closed below; a buffer needs no exchange after creation
+            return buf
+        finally:
+            if temporary:
+                close_exchange(ex)
+
+    @classmethod
+    def _create(cls, ex: Exchange, nbytes: int, topology: Optional[Topology], device_index: Optional[int],
+                usable_backends: Sequence[str], timeout_s: float) -> "SymmetricBuffer":
         local_error = ""
         try:
             size = int(nbytes)

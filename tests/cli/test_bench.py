@@ -1,4 +1,4 @@
-"""``ep-comm bench`` on CPU ranks: table, DESIGN §7 JSON, oracle gate, streaming, peers, argument errors."""
+"""``ep-comm bench`` on CPU ranks: table, docs/design.md §17 JSON, oracle gate, streaming, peers, argument errors."""
 from __future__ import annotations
 
 import argparse

@@ -48,3 +48,40 @@ def test_mpiexec_without_master_addr(tmp_path):
     assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
     assert lines[0].startswith("RESULT rank=0 world=2 local=0") and lines[1].startswith("RESULT rank=1 world=2 local=1")
     assert all(line.endswith("ok=True") for line in lines)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _launch_script() -> tuple[str, str]:
+    """The repository's launch script for the MPI on PATH, and extra mpirun flags it needs here."""
+    why = _mpi_ready()
+    if why:
+        pytest.skip(why)
+    version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=60).stdout
+    if "HYDRA" in version:  # MPICH (also what `pip install mpich` brings)
+        return "launch/mpirun_mpich.sh", ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        extra = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
+        return "launch/mpirun_openmpi.sh", extra
+    pytest.skip(f"unknown MPI: {version.splitlines()[:1]}")
+
+
+def test_launch_script_runs_stress_on_cpu():
+    """The launch script itself (not a hand-written mpiexec line): 2 CPU ranks, results checked
+    against the oracle by `ep-comm stress`; a wrong combine makes the script exit non-zero."""
+    script, extra = _launch_script()
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK", "EP_COMM_BACKEND")}
+    env.update(NP="2", GPUS_PER_NODE="2", CUDA_VISIBLE_DEVICES="", EP_COMM_PYTHON=sys.executable,
+               MPI_EXTRA_ARGS=extra, PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p))
+    ok = subprocess.run(["bash", script, "stress", "--iters", "4", "--op-timeout", "60"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=240)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("stress PASSED: 4 iteration(s)") == 1, ok.stdout + ok.stderr
+    assert "(pmi, cpu)" in ok.stdout or "(openmpi, cpu)" in ok.stdout, ok.stdout
+    bad = subprocess.run(["bash", script, "stress", "--iters", "2", "--inject-fault", "--backend", "ag_rs",
+                          "--layout", "standard", "--op-timeout", "60"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert bad.returncode != 0, bad.stdout + bad.stderr
+    assert bad.stdout.count("MISMATCH in iteration 1") == 1, bad.stdout + bad.stderr
