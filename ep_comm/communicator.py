@@ -153,7 +153,10 @@ class Communicator:
         try:
             out = self._impl.dispatch(batch)
         except Exception as exc:
-            raise self._transport_failure(OP_DISPATCH, self._epoch, exc, capturing) from exc
+            typed = self._transport_failure(OP_DISPATCH, self._epoch, exc, capturing)
+            if typed is exc:
+                raise
+            raise typed from exc
         out.owner = self
         self._epoch += 1
         return out
@@ -194,7 +197,10 @@ class Communicator:
         try:
             return self._impl.combine(expert_out, dispatched, out)
         except Exception as exc:
-            raise self._transport_failure(OP_COMBINE, dispatched.epoch, exc, capturing) from exc
+            typed = self._transport_failure(OP_COMBINE, dispatched.epoch, exc, capturing)
+            if typed is exc:
+                raise
+            raise typed from exc
 
     def check_errors(self) -> None:
         """Raise for problems counted on the device without a host sync (CUDA-graph replays, and every

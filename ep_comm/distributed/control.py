@@ -297,7 +297,9 @@ class ControlPlane:
             parts.append("arrival records unavailable: the rendezvous store is unreachable")
         if gone:
             _peer_loss_seen = True
-        _blamed.update(self.global_ranks[r] for r in missing if r not in followers)
+        # what a rank that leaves after this tells the others (close marker): the ranks that are gone,
+        # or, when none is known to be, those that never arrived; never a peer that was merely slower
+        _blamed.update(self.global_ranks[r] for r in (sorted(gone) if gone else missing))
         call = f"rank {self.rank}: {OP_NAMES.get(op, op)}" + (f" epoch {epoch}" if epoch >= 0 else "")
         if gone:
             msg = f"{call} failed: " + "; ".join(parts)
