@@ -65,19 +65,22 @@ class _Run:
         return code, time.monotonic() - t0
 
     def rank_pids(self, nproc: int) -> list[int]:
-        """The spawned ranks, in rank order (spawn_local starts them one after the other)."""
-        kids = []
+        """The ranks, in rank order (spawn_local starts them one after the other): children of the
+        command started with the ``spawn`` method, or children of its fork server (the CLI preloads
+        torch in one and forks the ranks from it)."""
+        info = {}
         for pid in _pids_with(self.tag):
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    spawned = b"multiprocessing.spawn" in f.read()
+                    info[pid] = (ppid, f.read())
             except OSError:
                 continue
-            if ppid == self.proc.pid and spawned:
-                kids.append(pid)
-        assert len(kids) == nproc, (kids, self.text())
+        servers = {pid for pid, (ppid, cmd) in info.items() if ppid == self.proc.pid and b"forkserver" in cmd}
+        kids = [pid for pid, (ppid, cmd) in info.items()
+                if ppid in servers or (ppid == self.proc.pid and b"multiprocessing.spawn" in cmd)]
+        assert len(kids) == nproc, (kids, info, self.text())
         return sorted(kids)
 
     def leftovers(self, within_s: float = 5.0) -> list[int]:
