@@ -94,7 +94,7 @@ def test_flag_codes_round_trip():
 
 
 def _cpu_mnnvl_worker() -> tuple[str, str]:
-    topo = ep_comm.init_distributed()
+    ep_comm.init_distributed()
     cfg = ep_comm.EPConfig(num_experts=4, top_k=2, hidden=64, max_tokens_per_rank=4, backend="mnnvl")
     try:
         ep_comm.Communicator(cfg)
