@@ -22,6 +22,15 @@ EXPERTS_PER_RANK = 3
 SHARED_GPU_ENV = "EP_COMM_TEST_SHARED_GPU"
 
 
+def merge_ranks(per_rank) -> dict:
+    """``{case: [problems]}`` of every rank into one dict, each problem prefixed with its rank."""
+    merged: dict = {}
+    for rank, res in enumerate(per_rank):
+        for key, problems in res.items():
+            merged.setdefault(key, []).extend(f"rank {rank}: {p}" for p in problems)
+    return merged
+
+
 def init_rank():
     """``(topology, device)`` of a test rank.  Normally one GPU per rank (NCCL) or CPU (gloo), device
     None (the communicator's default).  With ``$EP_COMM_TEST_SHARED_GPU=1`` every rank bootstraps over

@@ -15,20 +15,12 @@ def _world() -> int:
     return torch.cuda.device_count()
 
 
-def _merge(per_rank):
-    merged: dict = {}
-    for rank, res in enumerate(per_rank):
-        for key, problems in res.items():
-            merged.setdefault(key, []).extend(f"rank {rank}: {p}" for p in problems)
-    return merged
-
-
 _cache: dict = {}
 
 
 def _run(name, fn):
     if name not in _cache:
-        _cache[name] = _merge(raise_on_failure(spawn_local(fn, _world(), timeout_s=900)))
+        _cache[name] = cases.merge_ranks(raise_on_failure(spawn_local(fn, _world(), timeout_s=900)))
     return _cache[name]
 
 

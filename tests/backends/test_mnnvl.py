@@ -32,20 +32,12 @@ def _spawn(fn, *args, timeout_s: float = 600.0):
     return raise_on_failure(spawn_local(fn, _world(), args=args, timeout_s=timeout_s, extra_env=env))
 
 
-def _merge(per_rank) -> dict:
-    merged: dict = {}
-    for rank, res in enumerate(per_rank):
-        for key, problems in res.items():
-            merged.setdefault(key, []).extend(f"rank {rank}: {p}" for p in problems)
-    return merged
-
-
 _cache: dict = {}
 
 
 def _run(name, fn, *args):
     if name not in _cache:
-        _cache[name] = _merge(_spawn(fn, *args))
+        _cache[name] = cases.merge_ranks(_spawn(fn, *args))
     return _cache[name]
 
 
