@@ -6,6 +6,7 @@
 #   TEST_PATHS=...    pytest paths (default tests/); SKIP_TESTS=1 skips them
 #   BENCH_RUNS="graph:128 eager:128,4096"  mode:tokens list; BENCH_ARGS extra bench flags
 #   STRESS_ITERS=1000 STRESS_BACKEND=mnnvl; SKIP_STRESS=1 / SKIP_INFO=1
+#   TRACE_ARGS="--tokens 128 4096"  run bench/kernel_trace.py (mnnvl phase stamps) with these flags
 set -uo pipefail
 OUT=${OUT:-/tmp/ep_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -38,6 +39,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1
   summary "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30 | tee -a "$OUT/summary.txt"
+fi
+
+if [ -n "${TRACE_ARGS:-}" ]; then
+  timeout ${TRACE_TIMEOUT:-200} python3 bench/kernel_trace.py --nproc $NPROC $TRACE_ARGS > "$OUT/trace.log" 2>&1
+  summary "kernel trace rc=$?"
+  grep -vE "^\s*$" "$OUT/trace.log" | tail -${TRACE_LINES:-60} | tee -a "$OUT/summary.txt"
 fi
 
 if [ "${1:-}" != "quick" ]; then

@@ -159,7 +159,8 @@ void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, cons
   // split rows so that every warp of the grid has a piece (latency of small batches)
   const int64_t H = p.c.lay.hidden;
   const int64_t warps = cfg[kCfgNumBlocks] * mnnvl::kWarps;
-  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(p.c.lay.world) * p.c.lay.max_tokens);
+  // (rows sent to peers; the own rows are summed at the receive end)
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(std::max(1, p.c.lay.world - 1)) * p.c.lay.max_tokens);
   int64_t chunks = H % 8 == 0 ? std::max<int64_t>(1, std::min<int64_t>((warps + rows - 1) / rows, (H + 255) / 256)) : 1;
   p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
   p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/protocol.h"
 
@@ -240,6 +241,40 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// 8 consecutive elements of T as stored (16 bytes of bf16/fp16, 32 of fp32): loaded raw so that many
+// loads can be in flight per lane (4 registers each instead of 8 floats), converted when summed.
+template <typename T>
+struct Pack8 {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
+  int4 w[kWords];
+
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = reinterpret_cast<const int4*>(p)[i];
+  }
+  __device__ __forceinline__ void load_cg(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = ld_cg(reinterpret_cast<const int4*>(p) + i);
+  }
+  // acc[e] += scale * element e
+  __device__ __forceinline__ void fma_into(float scale, float* acc) const {
+    if constexpr (sizeof(T) == 4) {
+      const float* f = reinterpret_cast<const float*>(w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(scale, f[e], acc[e]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 v;
+        if constexpr (std::is_same<T, __half>::value) v = __half22float2(reinterpret_cast<const __half2*>(w)[i]);
+        else v = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(w)[i]);
+        acc[2 * i] = fmaf(scale, v.x, acc[2 * i]);
+        acc[2 * i + 1] = fmaf(scale, v.y, acc[2 * i + 1]);
+      }
+    }
+  }
+};
+
 // ---- row copies (one warp) ----------------------------------------------------------------------
 // Copy ``bytes`` from ``src`` to each of ``nd`` destinations: every source chunk is loaded once and
 // stored nd times.  ``cg_src``: the source was written by a peer (read around L1).  Chunk width
@@ -253,7 +288,9 @@ __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* con
   if ((align & 15) == 0) {
     const int64_t n = bytes >> 4;
     const int4* s = reinterpret_cast<const int4*>(src);
-    constexpr int kUnroll = 4;
+    // receive-side copies are bound by loads in flight (128 bytes per lane); send-side ones by their
+    // stores (fewer registers then)
+    constexpr int kUnroll = kCgSrc ? 8 : 4;
     int64_t i = lane;
     for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
       int4 v[kUnroll];

@@ -79,7 +79,22 @@ enum : int {
   kCfgThreads,
   kCfgCountsOffset0,
   kCfgCountsOffset1,
+  kCfgTracePtr,      // device uint64 [2 ops][num_blocks][kTraceSlots] of globaltimer stamps, or 0 (off)
   kCfgLen
+};
+
+// Phase stamps (EP_COMM_TRACE=1, bench/kernel_trace.py): thread 0 of every block writes the
+// globaltimer when its block reaches each point.  Per-source stamps exist for the first
+// kTraceSources sources of a dispatch (in receive order: own, rank+1, ...).
+enum : int { kTraceDispatch = 0, kTraceCombine = 1, kTraceSlots = 24, kTraceSources = 8 };
+enum : int {
+  kTrStart = 0,       // block entered the kernel
+  kTrSent = 1,        // block finished its sends (all its warps)
+  kTrArrived = 2,     // grid-wide arrival done (dispatch: every block sent)
+  kTrSignalled = 3,   // the last block released the peers' flags (last block only)
+  kTrSource0 = 4,     // dispatch: 4 + 2i flag of source i seen, 5 + 2i its rows laid out;
+                      // combine: 4 every flag seen
+  kTrEnd = 20,        // block done
 };
 
 // dtype codes shared with Python

@@ -33,6 +33,7 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.combine_stride = cfg[kCfgCombineStride];
   l.timeout_ns = static_cast<uint64_t>(cfg[kCfgTimeoutNs]);
   l.pending = reinterpret_cast<int32_t*>(static_cast<uintptr_t>(cfg[kCfgPendingPtr]));
+  l.trace = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(cfg[kCfgTracePtr]));
   return l;
 }
 
@@ -49,6 +50,15 @@ __device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int p
 }
 
 __device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
+
+// Phase stamp of this block when tracing is on (EP_COMM_TRACE=1); with ``sync`` the whole block
+// reaches the point first.  The condition is uniform over the grid, so the barrier is safe.
+__device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sync = false) {
+  if (L.trace == nullptr) return;
+  if (sync) __syncthreads();
+  if (threadIdx.x == 0)
+    L.trace[(static_cast<int64_t>(op) * gridDim.x + blockIdx.x) * kTraceSlots + slot] = global_timer_ns();
+}
 
 // Signal every peer (and this rank) that this launch's sends are complete.  Called by the last
 // block to arrive; each thread releases its own flag so the NVLink round trips overlap.
@@ -196,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
   const uint32_t code = make_code(seq, kOpDispatch);
   const int parity = static_cast<int>(seq & 1);
+  stamp(L, kTraceDispatch, kTrStart);
 
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
   __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
@@ -221,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     if (chunk == 0) {
       if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
       if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
-      if (r.keep) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
+      // batched slots need each (destination, expert)'s row numbering; the standard layout does not
+      if (r.keep && L.batched) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
       if (L.batched && p.chunks > 1 && has_own) {  // the other pieces' warps need the own slots
         if (lane < k) p.self_slot[static_cast<int64_t>(t) * k + lane] = own ? slot : -1;
         __syncwarp();
@@ -277,9 +289,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   }
 
   // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
+  stamp(L, kTraceDispatch, kTrSent, true);
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
+  stamp(L, kTraceDispatch, kTrArrived);
   if (a.last) {
-    for (int i = threadIdx.x; i < L.world * nl; i += blockDim.x) {
+    for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
       const int peer = i / nl;
       int32_t* counts = reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]);
       counts[L.rank * nl + i % nl] = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
@@ -287,6 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     __syncthreads();
     signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+    stamp(L, kTraceDispatch, kTrSignalled);
   }
   if (!a.ok) return;
   if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
@@ -312,10 +327,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       s_flag = v;
     }
     __syncthreads();
+    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i);
     const bool arrived = s_flag != 0;
     const int src_tokens = static_cast<int>(s_flag >> 32);
     for (int e = threadIdx.x; e < nl; e += blockDim.x)
-      s_count[e] = arrived ? __ldcg(counts + static_cast<int64_t>(src) * nl + e) : 0;
+      s_count[e] = arrived && L.batched ? __ldcg(counts + static_cast<int64_t>(src) * nl + e) : 0;
     __syncthreads();
     if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
       for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
@@ -365,15 +381,102 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       }
     }
     __syncthreads();
+    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i + 1);
     for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] += s_count[e];
     __syncthreads();
   }
   if (L.batched && blockIdx.x == 0)
     for (int e = threadIdx.x; e < nl; e += blockDim.x) p.counts[e] = s_base[e];
+  stamp(L, kTraceDispatch, kTrEnd, true);
 }
 
 // ---- combine ------------------------------------------------------------------------------------------
-constexpr int kUnroll = 4;  // 8-element vectors in flight per lane
+// This rank's expert rows of received row ``r`` into src/w (one warp): batched, one per local expert
+// with its weight; standard, the row itself (already weighted).  Returns how many (0: padding, which
+// is never read whatever it holds).
+template <typename Tin>
+__device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const Tin* eo, int64_t r, const Tin** src,
+                                                  float* w, int lane) {
+  const int k = p.c.lay.top_k;
+  const int64_t H = p.c.lay.hidden;
+  const int lid = lane < k ? p.row_ids[r * k + lane] : -1;
+  const unsigned mask = __ballot_sync(kFull, lid >= 0);
+  if (mask == 0) return 0;
+  int n = 1;
+  if (p.c.lay.batched) {
+    n = __popc(mask);
+    if (lid >= 0) {
+      const int j = __popc(mask & lanes_below(lane));
+      src[j] = eo + static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
+      w[j] = p.row_w[r * k + lane];
+    }
+  } else if (lane == 0) {
+    src[0] = eo + r * H;
+    w[0] = 1.f;
+  }
+  __syncwarp();
+  return n;
+}
+
+// dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials,
+// read around L1 since they arrived over NVLink.  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
+// Each lane keeps kSumRows x kSumCols raw 8-element loads in flight: combine is bound by how many
+// bytes are in flight per SM (Little's law), not by arithmetic.
+constexpr int kSumRows = 2;
+
+template <typename T, bool kCg, int kSumCols>
+__device__ __forceinline__ void accumulate_rows(const T* const* rows, const float* w, int n, int c0, int hi,
+                                                float (&acc)[kSumCols][8]) {
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;  // fp32 packs take twice the registers
+  for (int j0 = 0; j0 < n; j0 += kRows) {
+    Pack8<T> v[kRows][kSumCols];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (j0 + r < n && c0 + c * kStep < hi) {
+          if (kCg) v[r][c].load_cg(rows[j0 + r] + c0 + c * kStep);
+          else v[r][c].load(rows[j0 + r] + c0 + c * kStep);
+        }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (j0 + r >= n) break;
+      const float scale = w == nullptr ? 1.f : w[j0 + r];
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].fma_into(scale, acc[c]);
+    }
+  }
+}
+
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
+                                         Tout* dst, int lo, int hi, bool vec, int lane) {
+  if (!vec) {
+    for (int c = lo + lane; c < hi; c += kWarpSize) {
+      float acc = 0.f;
+      for (int j = 0; j < n; ++j) acc = fmaf(w[j], to_float<Tin>(src[j][c]), acc);
+      for (int j = 0; j < m; ++j) acc += to_float<Tout>(part[j][c]);
+      dst[c] = from_float<Tout>(acc);
+    }
+    return;
+  }
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kSumCols = sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4;  // fp32 accumulators + packs: registers
+  for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * kSumCols) {
+    float acc[kSumCols][8];
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+    accumulate_rows<Tin, false, kSumCols>(src, w, n, c0, hi, acc);
+    accumulate_rows<Tout, true, kSumCols>(part, nullptr, m, c0, hi, acc);
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+      if (c0 + c * kStep < hi) Vec8<Tout>::store(dst + c0 + c * kStep, acc[c]);
+  }
+}
 
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
@@ -390,87 +493,53 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
   const uint32_t code = make_code(seq, kOpCombine);
   const int parity = static_cast<int>(seq & 1);
+  stamp(L, kTraceCombine, kTrStart);
 
   __shared__ const Tin* s_src[kWarps][kMaxTopK];
   __shared__ float s_w[kWarps][kMaxTopK];
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
-  // ---- send: one partial per (token, owner rank), to [this rank][t] of the owner's combine region
-  const int64_t n_rows = static_cast<int64_t>(L.world) * L.max_tokens;
-  for (int64_t item = gwarp; item < n_rows * p.chunks; item += nwarps) {
-    const int64_t r = item / p.chunks;
+  // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
+  // the partials of this rank's own tokens are summed straight from expert_out when receiving
+  const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
+  for (int64_t item = gwarp; item < peer_items; item += nwarps) {
+    const int64_t q = item / p.chunks;
     const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
     const int hi = min(H, lo + p.chunk_elems);
-    const int src = static_cast<int>(r / L.max_tokens);
-    const int t = static_cast<int>(r % L.max_tokens);
-    const int lid = lane < k ? p.row_ids[r * k + lane] : -1;
-    const unsigned mask = __ballot_sync(kFull, lid >= 0);
-    if (mask == 0) continue;  // padding: never read, whatever it holds
+    const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
+    const int t = static_cast<int>(q % L.max_tokens);
+    const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, s_src[warp], s_w[warp],
+                                          lane);
+    if (n == 0) continue;
     Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
                                         (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
-    int n = 1;
-    if (L.batched) {
-      n = __popc(mask);
-      if (lid >= 0) {
-        const int j = __popc(mask & lanes_below(lane));
-        s_src[warp][j] = eo + static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
-        s_w[warp][j] = p.row_w[r * k + lane];
-      }
-    } else if (lane == 0) {
-      s_src[warp][0] = eo + r * H;
-      s_w[warp][0] = 1.f;  // standard rows are already weighted
-    }
-    __syncwarp();
-    if (vec) {
-      for (int c0 = lo + lane * 8; c0 < hi; c0 += 8 * kWarpSize * kUnroll) {
-        float acc[kUnroll][8];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
-        for (int j = 0; j < n; ++j) {
-          float f[kUnroll][8];
-          const float w = s_w[warp][j];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (c0 + u * 8 * kWarpSize < hi) Vec8<Tin>::load(s_src[warp][j] + c0 + u * 8 * kWarpSize, f[u]);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[u][e] = fmaf(w, f[u][e], acc[u][e]);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::store(dst + c0 + u * 8 * kWarpSize, acc[u]);
-      }
-    } else {
-      for (int c = lo + lane; c < hi; c += kWarpSize) {
-        float acc = 0.f;
-        for (int j = 0; j < n; ++j) acc = fmaf(s_w[warp][j], to_float<Tin>(s_src[warp][j][c]), acc);
-        dst[c] = from_float<Tout>(acc);
-      }
-    }
+    sum_rows<Tin, Tout>(s_src[warp], s_w[warp], n, nullptr, 0, dst, lo, hi, vec, lane);
     __syncwarp();
   }
 
+  stamp(L, kTraceCombine, kTrSent, true);
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+  stamp(L, kTraceCombine, kTrArrived);
   if (a.last) {
     signal_all(p.c, parity, code);
+    stamp(L, kTraceCombine, kTrSignalled);
     if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
       *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
   }
 
-  // ---- receive: wait for every rank's partials, then sum them per own token in float32
+  // ---- receive: wait for every peer's partials, then per own token sum them with this rank's own
+  // expert rows in float32
   uint8_t* const own = peer_ptr(p.c, L.rank);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < L.world; ++i) {
+    for (int i = 1; i < L.world; ++i) {
       const int src = (L.rank + i) % L.world;
       const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
       wait_flag(flag, code, src, deadline, err);
     }
   }
   __syncthreads();
+  stamp(L, kTraceCombine, kTrSource0);
   const uint8_t* region = own + L.combine_offset[parity];
   Tout* out = static_cast<Tout*>(p.out);
   for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps) {
@@ -478,44 +547,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
     const int hi = min(H, lo + p.chunk_elems);
     const int d = lane < k ? p.dest[static_cast<int64_t>(t) * k + lane] : -1;
-    const unsigned mask = __ballot_sync(kFull, d >= 0);
-    const int n = __popc(mask);
-    if (d >= 0) {
-      s_part[warp][__popc(mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
+    const bool remote = d >= 0 && d != L.rank;
+    const unsigned remote_mask = __ballot_sync(kFull, remote);
+    const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
+    if (remote) {
+      s_part[warp][__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
           region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
     }
     __syncwarp();
-    Tout* o = out + static_cast<int64_t>(t) * H;
-    if (vec) {
-      for (int c0 = lo + lane * 8; c0 < hi; c0 += 8 * kWarpSize * kUnroll) {
-        float acc[kUnroll][8];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
-        for (int j = 0; j < n; ++j) {
-          float f[kUnroll][8];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::load_cg(s_part[warp][j] + c0 + u * 8 * kWarpSize, f[u]);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[u][e] += f[u][e];
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (c0 + u * 8 * kWarpSize < hi) Vec8<Tout>::store(o + c0 + u * 8 * kWarpSize, acc[u]);
-      }
-    } else {
-      for (int c = lo + lane; c < hi; c += kWarpSize) {
-        float acc = 0.f;
-        for (int j = 0; j < n; ++j) acc += to_float<Tout>(s_part[warp][j][c]);
-        o[c] = from_float<Tout>(acc);
-      }
-    }
+    const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t,
+                                                    s_src[warp], s_w[warp], lane)
+                          : 0;
+    sum_rows<Tin, Tout>(s_src[warp], s_w[warp], n, s_part[warp], __popc(remote_mask),
+                        out + static_cast<int64_t>(t) * H, lo, hi, vec, lane);
     __syncwarp();
   }
+  stamp(L, kTraceCombine, kTrEnd, true);
 }
 
 __global__ void abort_kernel(const Common c) {

@@ -32,6 +32,7 @@ struct Layout {
   int64_t flags_offset, dispatch_offset[2], combine_offset[2], counts_offset[2], combine_stride;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped
+  uint64_t* trace;   // phase stamps or null (protocol.h, kCfgTracePtr)
 };
 
 Layout layout_from_cfg(const int64_t* cfg);

@@ -26,6 +26,7 @@ from . import kernel_protocol as kp
 from .base import Availability, BackendContext
 
 NUM_SMS_ENV = "EP_COMM_NUM_SMS"
+TRACE_ENV = "EP_COMM_TRACE"  # "1": the kernels stamp their phases (a diagnostic; costs block barriers)
 
 
 @dataclasses.dataclass
@@ -62,6 +63,11 @@ class MnnvlBackend:
         self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks,
                                         self._mapped.device_ptr)
         self._fatal: Optional[EPError] = None
+        # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][TRACE_SLOTS] globaltimer ns
+        self.trace: Optional[torch.Tensor] = None
+        if os.environ.get(TRACE_ENV) == "1":
+            self.trace = torch.zeros(2 * num_blocks * kp.TRACE_SLOTS, dtype=torch.int64, device=dev)
+            self.cfg_vec[kp.TRACE_PTR] = self.trace.data_ptr()
 
     # -- protocol ---------------------------------------------------------------------------------------
     @classmethod

@@ -30,15 +30,12 @@ import torch.distributed as dist
 from .. import oracle
 from ..layouts import Dispatched
 from ..quant import quantize_fp8
-from .bench_measure import CheckCase, OracleGate, RunSet, Timer, expert_outputs, percentiles, split_iters
+from .bench_measure import (CheckCase, OracleGate, RunSet, Timer, expert_outputs, hide_launch_gap, percentiles,
+                            split_iters)
 from .launcher import RankEnv, gather_objects, host_barrier
 
 PEERS = ("deepep", "nccl_ep")
 NORMAL_SMS = 24  # DeepEP normal kernels' SMs (Buffer.set_num_sms): the prefill SM budget ep_comm is held to
-#: GPU busy-wait before a peer's start event (graph mode): the host issues the call while the GPU
-#: is still busy, so the events time the kernels, not the Python call in front of them (our graph
-#: replays pay no launch gap either)
-LAUNCH_GAP_CYCLES = 200_000
 
 
 def _first_error(env: RankEnv, error: Optional[str]) -> Optional[str]:
@@ -187,7 +184,7 @@ class DeepEPPeer:
     def time(self, variant: str, fp8: bool, tokens: int, sets: list[RunSet]) -> tuple[list[float], list[float]]:
         """Per-op µs (dispatch, combine) over the run sets, events around each call like our ops."""
         env, args = self.env, self.args
-        hide_gap = args.mode == "graph" and hasattr(torch.cuda, "_sleep")
+        hide_gap = args.mode == "graph"  # like our graph replays (bench_measure.hide_launch_gap)
         prepared = []
         for rs in sets:  # conversions outside the timed region (DeepEP wants int64 ids)
             ids = rs.inp.topk_ids.to(self.idx_dtype)
@@ -196,28 +193,36 @@ class DeepEPPeer:
         cache: dict = {}
 
         def pair(x: Any, ids: torch.Tensor, w: torch.Tensor, timer: Optional[Timer]) -> None:
+            def between() -> tuple[Any, Any]:  # dispatch's end stamp, combine's start stamp
+                if timer is None:
+                    return None, None
+                end = timer.stamp()
+                if hide_gap:
+                    hide_launch_gap(env.device)
+                return end, timer.stamp()
+
             if timer is not None:
                 if hide_gap:
-                    torch.cuda._sleep(LAUNCH_GAP_CYCLES)
+                    hide_launch_gap(env.device)
                 t0 = timer.stamp()
             if variant.startswith("normal"):
                 recv_x, _, _, handle = self._normal_dispatch(x, ids, w)
                 rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
-                t1 = timer.stamp() if timer is not None else None
                 eo = cache.get(rows)
                 if eo is None:
                     eo = cache[rows] = torch.zeros(rows, args.hidden, dtype=torch.bfloat16, device=env.device)
+                t1, t2 = between()
                 self._normal_combine(eo, handle)
             else:
                 _, _, handle = self._ll_dispatch(x, ids, tokens, fp8)
-                t1 = timer.stamp() if timer is not None else None
                 eo = cache.get("ll")
                 if eo is None:
                     shape = (args.experts // self.world, self.world * tokens, args.hidden)
                     eo = cache["ll"] = torch.zeros(shape, dtype=torch.bfloat16, device=env.device)
+                t1, t2 = between()
                 self._ll_combine(eo, ids, w, handle)
             if timer is not None:
-                timer.add([t0, t1, timer.stamp()])
+                timer.add([t0, t1, t2, timer.stamp()])
 
         for _ in range(args.warmup):
             pair(*prepared[0], None)
@@ -226,7 +231,7 @@ class DeepEPPeer:
             for _ in range(n):
                 host_barrier(env)
                 pair(*prep, timer)
-        disp, comb = timer.sections_us()
+        disp, _gap, comb = timer.sections_us()
         return disp, comb
 
 

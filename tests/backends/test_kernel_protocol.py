@@ -37,13 +37,24 @@ def test_config_indices_match_the_header():
              for n in ("RANK", "WORLD", "MAX_TOKENS", "NUM_EXPERTS", "NUM_LOCAL", "TOP_K", "HIDDEN", "BATCHED",
                        "NUM_BLOCKS", "ROW_STRIDE", "PAYLOAD_OFFSET", "SCALE_OFFSET", "PAYLOAD_MAX", "SCALE_MAX",
                        "FLAGS_OFFSET", "TIMEOUT_NS", "PENDING_PTR", "COUNT_INVALID", "QUANT_FP8", "OUT_DTYPE",
-                       "THREADS", "COMBINE_STRIDE")}
+                       "THREADS", "COMBINE_STRIDE", "TRACE_PTR")}
     names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
     names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
     names["kCfgCountsOffset0"], names["kCfgCountsOffset1"] = kp.COUNTS_OFFSET0, kp.COUNTS_OFFSET1
     names["kCfgLen"] = kp.CFG_LEN
     names["kCfgTopK"] = kp.TOP_K
     assert {n: cfg[n] for n in names} == names
+
+
+def test_trace_layout_matches_the_header():
+    text = HEADER.read_text()
+    assert _enum_values(text, "kTraceDispatch") == {
+        "kTraceDispatch": kp.TRACE_DISPATCH, "kTraceCombine": kp.TRACE_COMBINE, "kTraceSlots": kp.TRACE_SLOTS,
+        "kTraceSources": kp.TRACE_SOURCES}
+    assert _enum_values(text, "kTrStart") == {
+        "kTrStart": kp.TR_START, "kTrSent": kp.TR_SENT, "kTrArrived": kp.TR_ARRIVED,
+        "kTrSignalled": kp.TR_SIGNALLED, "kTrSource0": kp.TR_SOURCE0, "kTrEnd": kp.TR_END}
+    assert kp.TR_SOURCE0 + 2 * kp.TRACE_SOURCES <= kp.TR_END < kp.TRACE_SLOTS
 
 
 def test_status_and_state_layout_match_the_header():

@@ -1,0 +1,147 @@
+"""Where the time of one mnnvl dispatch / combine goes, from stamps the kernels write themselves.
+
+    python3 bench/kernel_trace.py --nproc 2 --tokens 128 4096 --layout standard batched
+
+With ``EP_COMM_TRACE=1`` every block of the mnnvl kernels writes the GPU's globaltimer when it
+reaches each phase (protocol.h, ``kTr*``): start, its sends done, the grid-wide arrival, the peers'
+flags released (last block), per source the flag seen and its rows laid out, end.  This script
+captures dispatch and combine in CUDA graphs like ``ep-comm bench --mode graph``, replays each
+after lining the ranks up on the device, and prints per rank the median over ``--iters`` replays of
+each phase's time from the kernel's first block start (max over blocks), next to the CUDA-event
+time of the replay.  The stamps add block barriers, so the kernels run slightly slower than in the
+bench; the split is what matters.  Timers of different GPUs are not synchronised: compare phases
+within a rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ep_comm  # noqa: E402
+from ep_comm import oracle  # noqa: E402
+from ep_comm.backends import kernel_protocol as kp  # noqa: E402
+from ep_comm.backends.mnnvl import TRACE_ENV  # noqa: E402
+from ep_comm.cli.launcher import _SPAWNED_ENV, gather_objects, host_barrier, setup_rank  # noqa: E402
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
+
+
+def _phases(stamps: torch.Tensor, op: int, world: int) -> dict[str, float]:
+    """µs from the first block's start to each phase (max over the blocks that stamped it)."""
+    blocks = stamps.view(2, -1, kp.TRACE_SLOTS)[op].double()
+    t0 = blocks[:, kp.TR_START].min()
+    names = {kp.TR_SENT: "sent", kp.TR_ARRIVED: "arrived", kp.TR_SIGNALLED: "signalled", kp.TR_END: "end"}
+    if op == kp.TRACE_DISPATCH:
+        for i in range(min(world, kp.TRACE_SOURCES)):
+            names[kp.TR_SOURCE0 + 2 * i] = f"src+{i} flag"
+            names[kp.TR_SOURCE0 + 2 * i + 1] = f"src+{i} laid out"
+    else:
+        names[kp.TR_SOURCE0] = "flags seen"
+    out = {"start spread": float((blocks[:, kp.TR_START].max() - t0) / 1e3)}
+    for slot, name in names.items():
+        col = blocks[:, slot]
+        col = col[col > 0]
+        if col.numel():
+            out[name] = float((col.max() - t0) / 1e3)
+    return out
+
+
+def _median(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = rows[0].keys()
+    return {k: sorted(r[k] for r in rows if k in r)[len(rows) // 2] for k in keys}
+
+
+def _one_shape(env, args, layout: str, tokens: int) -> dict:
+    cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
+                           max_tokens_per_rank=tokens, dtype=torch.bfloat16, layout=layout, backend="mnnvl",
+                           quant=args.quant, num_sms=args.num_sms)
+    comm = ep_comm.Communicator(cfg)
+    backend = comm._impl
+    if backend.trace is None:
+        raise RuntimeError(f"{TRACE_ENV}=1 did not reach the backend")
+    inp = oracle.random_inputs(cfg, env.world_size, seed=7, tokens=[tokens] * env.world_size)[env.rank].to(env.device)
+    d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)  # warm-up, and the shapes
+    eo = torch.randn((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device) if layout == "standard" \
+        else torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
+    out = torch.empty((tokens, cfg.hidden), dtype=cfg.dtype, device=env.device)
+    comm.combine(eo, d, out=out)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(gd, stream=stream):
+            dg = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+        with torch.cuda.graph(gc, stream=stream):
+            comm.combine(eo, dg, out=out)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    rows: dict[str, list] = {"dispatch": [], "combine": []}
+    for it in range(args.warmup + args.iters):
+        host_barrier(env)
+        ev[0].record()
+        gd.replay()
+        ev[1].record()
+        host_barrier(env)
+        ev[2].record()
+        gc.replay()
+        ev[3].record()
+        torch.cuda.synchronize()
+        if it < args.warmup:
+            continue
+        stamps = backend.trace.cpu()
+        for name, op, (a, b) in (("dispatch", kp.TRACE_DISPATCH, (0, 1)), ("combine", kp.TRACE_COMBINE, (2, 3))):
+            ph = _phases(stamps, op, env.world_size)
+            ph["event"] = ev[a].elapsed_time(ev[b]) * 1e3
+            rows[name].append(ph)
+    comm.check_errors()
+    comm.close()
+    del gd, gc, dg, d, eo
+    torch.cuda.empty_cache()
+    return {op: _median(r) for op, r in rows.items()}
+
+
+def rank_main(args: argparse.Namespace) -> dict:
+    os.environ[TRACE_ENV] = "1"
+    env = setup_rank(300.0)
+    results = {}
+    for layout in args.layout:
+        for tokens in args.tokens:
+            results[(layout, tokens)] = _one_shape(env, args, layout, tokens)
+    everyone = gather_objects(env, results)
+    dist.destroy_process_group()
+    return {"ranks": everyone} if env.rank == 0 else {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
+    p.add_argument("--tokens", type=int, nargs="+", default=[128])
+    p.add_argument("--layout", nargs="+", default=["standard", "batched"])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--quant", default=None, choices=[None, "fp8"])
+    p.add_argument("--num-sms", type=int, default=None)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+    res = raise_on_failure(spawn_local(rank_main, args.nproc, (args,), timeout_s=600,
+                                     extra_env=lambda r: {_SPAWNED_ENV: str(args.nproc)}))[0]["ranks"]
+    for (layout, tokens) in res[0]:
+        for op in ("dispatch", "combine"):
+            print(f"{op} {layout} {tokens} tok (µs from the kernel's first block start, median of {args.iters}, "
+                  f"max over blocks)")
+            keys = list(res[0][(layout, tokens)][op])
+            print("  " + " | ".join(f"{k:>10s}" for k in ["rank"] + keys))
+            for r, per_rank in enumerate(res):
+                vals = per_rank[(layout, tokens)][op]
+                print("  " + " | ".join([f"{r:>10d}"] + [f"{vals.get(k, float('nan')):10.1f}" for k in keys]))
+
+
+if __name__ == "__main__":
+    main()
