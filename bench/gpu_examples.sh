@@ -30,6 +30,13 @@ run() {
     return $rc
 }
 
+rank_pids() {  # the ranks of the CLI process $1 in start order: its spawned children, or its fork server's
+    for k in $(pgrep -P "$1"); do
+        if grep -qa forkserver "/proc/$k/cmdline"; then pgrep -P "$k"
+        elif grep -qa multiprocessing.spawn "/proc/$k/cmdline"; then echo "$k"; fi
+    done | sort -n
+}
+
 leftovers() {  # pids of our processes still alive (by the tag in their environment)
     grep -lsaz "^EP_COMM_GPU_EXAMPLES_RUN=$TAG\$" /proc/[0-9]*/environ | cut -d/ -f3 | tr '\n' ' '
 }
@@ -80,7 +87,7 @@ if [ -z "${SKIP_KILL:-}" ]; then
         parent=$!
         for _ in $(seq 300); do grep -q "^ep-comm stress:" "$log" && break; kill -0 $parent 2>/dev/null || break; sleep 0.3; done
         sleep 2  # let it run a few hundred iterations, so the kill lands mid-stress
-        victim=$(for k in $(pgrep -P $parent); do grep -qa multiprocessing.spawn /proc/$k/cmdline && echo $k; done | sort -n | sed -n 2p)
+        victim=$(rank_pids $parent | sed -n 2p)
         if [ -z "$victim" ]; then
             summary "kill_rank $b: stress did not start (see $log)"; kill -9 $parent 2>/dev/null; wait $parent 2>/dev/null; continue
         fi
@@ -89,7 +96,8 @@ if [ -z "${SKIP_KILL:-}" ]; then
         secs=$(python3 -c "import time; print(f'{time.time() - $t0:.1f}')")
         kill -9 $parent 2>/dev/null; wait $parent; rc=$?  # rc 137 here means it had to be killed
         sleep 1  # the launcher's children are reaped by now; give their exit a moment before looking
-        survivor=$(grep -m1 -E "^--- rank 0 failed|^ep-comm stress: rank 0:" "$log" | cut -c1-220)
+        # (progress bars share lines with these, so no anchors; the rank's own error first, the launcher's after)
+        survivor=$(grep -aoE "(--- rank 0 failed|ep-comm stress: rank 0): [A-Za-z]+(Error|Exception).{0,200}" "$log" | head -1)
         summary "kill_rank $b rc=$rc (non-zero expected) ${secs} s after kill -9 of rank 1 (bound $((OP_TIMEOUT + 10)) s); leftovers: $(leftovers)"
         summary "     ${survivor:-no failure line from rank 0}"
     done

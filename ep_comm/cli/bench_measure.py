@@ -25,7 +25,7 @@ from ..config import EPConfig
 from ..errors import EPError
 from ..layouts import Dispatched
 from . import DTYPES
-from .launcher import RankEnv, gather_objects, host_barrier
+from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 from .phases import Phases
 
 
@@ -236,19 +236,6 @@ class Timer:
         return [list(col) for col in zip(*durations)] if durations else []
 
 
-#: Graph mode: a GPU busy-wait (``torch.cuda._sleep`` cycles, ~100 µs) queued in front of each timed
-#: replay, so the host has submitted the replay before the GPU reaches the start event: the events
-#: time the op on the GPU, not the host's launch call in front of it (an idle GPU records the start
-#: event at once and then waits 10-35 µs for the launch).  The baseline and the peers get the same.
-LAUNCH_GAP_CYCLES = 200_000
-
-
-def hide_launch_gap(device: torch.device) -> None:
-    """Keep the GPU busy while the host issues the next timed launch (graph mode only)."""
-    if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
-        torch.cuda._sleep(LAUNCH_GAP_CYCLES)
-
-
 def percentiles(samples: Sequence[float]) -> tuple[float, float]:
     return float(np.percentile(samples, 50)), float(np.percentile(samples, 90))
 
@@ -276,9 +263,9 @@ class LinedUp:
     def __init__(self, env: RankEnv):
         self.env, self.seconds = env, 0.0
 
-    def __call__(self) -> None:
+    def __call__(self, hide_launch: bool = False) -> None:
         t0 = time.perf_counter()
-        host_barrier(self.env)
+        host_barrier(self.env, hide_launch)
         self.seconds += time.perf_counter() - t0
 
     def book(self, phases: Phases, name: str, t_start: float) -> None:
@@ -358,12 +345,12 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         ids_s.copy_(rs.inp.topk_ids)
         w_s.copy_(rs.inp.topk_weights)
         for _ in range(n):
-            barrier()
-            hide_launch_gap(env.device)
+            # graph replays are timed on the GPU: launched while the GPU is still busy (align_devices)
+            barrier(hide_launch=True)
             t0 = timer.stamp()
             g_dispatch.replay()
             t1 = timer.stamp()
-            hide_launch_gap(env.device)  # the dispatch lined the ranks up; both wait alike
+            align_devices(env, hide_launch=True)
             t2 = timer.stamp()
             g_combine.replay()
             t3 = timer.stamp()
@@ -392,9 +379,7 @@ def time_baseline(env: RankEnv, args: argparse.Namespace, tokens: int) -> tuple[
             pass
     timer = Timer(env.device)
     for _ in range(args.iters):
-        host_barrier(env)
-        if mode == "graph":
-            hide_launch_gap(env.device)
+        host_barrier(env, hide_launch=mode == "graph")
         t0 = timer.stamp()
         run()
         timer.add([t0, timer.stamp()])

@@ -195,23 +195,39 @@ def gather_objects(env: RankEnv, obj: Any) -> list:
     return out
 
 
-def host_barrier(env: RankEnv) -> None:
-    """Line the ranks up on the host (after the device is idle) so timings start together.
-
-    On GPUs the host barrier leaves the ranks' next launches tens of µs apart; a one-element NCCL
-    all_reduce queued right after it finishes at nearly the same moment on every GPU, so the op timed
-    next starts together everywhere instead of absorbing the launch skew of the slowest rank.
-    """
+def host_barrier(env: RankEnv, hide_launch: bool = False) -> None:
+    """Line the ranks up on the host (after the device is idle), then on the devices
+    (``align_devices``), so the op timed next starts together on every rank."""
     import torch.distributed as dist
 
     if env.device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier(group=env.cpu_group)
-    if env.device.type == "cuda":
-        tiny = _ALIGN.get(env.device)
-        if tiny is None:
-            tiny = _ALIGN[env.device] = torch.zeros(1, device=env.device)
-        dist.all_reduce(tiny)
+    align_devices(env, hide_launch)
+
+
+#: ``torch.cuda._sleep`` cycles (~100 µs) the GPU busy-waits in front of a timed launch
+LAUNCH_GAP_CYCLES = 200_000
+
+
+def align_devices(env: RankEnv, hide_launch: bool = False) -> None:
+    """Queue a one-element NCCL all_reduce: it ends at nearly the same moment on every GPU, so the
+    op queued next starts together everywhere (a host barrier alone leaves launches tens of µs
+    apart).  ``hide_launch``: a GPU busy-wait first, so that by the time the all_reduce ends the host
+    has already queued the timed launch behind it; CUDA events then time the op on the GPU, not the
+    host's launch call (an idle GPU records a start event at once and waits 10-35 µs for the launch).
+    The busy-wait comes before the all_reduce: busy-waits count clock cycles, and the GPUs' clocks
+    differ, so a wait after it would undo the alignment."""
+    import torch.distributed as dist
+
+    if env.device.type != "cuda":
+        return
+    if hide_launch and hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(LAUNCH_GAP_CYCLES)
+    tiny = _ALIGN.get(env.device)
+    if tiny is None:
+        tiny = _ALIGN[env.device] = torch.zeros(1, device=env.device)
+    dist.all_reduce(tiny)
 
 
 _ALIGN: dict = {}

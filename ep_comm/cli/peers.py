@@ -30,9 +30,8 @@ import torch.distributed as dist
 from .. import oracle
 from ..layouts import Dispatched
 from ..quant import quantize_fp8
-from .bench_measure import (CheckCase, OracleGate, RunSet, Timer, expert_outputs, hide_launch_gap, percentiles,
-                            split_iters)
-from .launcher import RankEnv, gather_objects, host_barrier
+from .bench_measure import CheckCase, OracleGate, RunSet, Timer, expert_outputs, percentiles, split_iters
+from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 
 PEERS = ("deepep", "nccl_ep")
 NORMAL_SMS = 24  # DeepEP normal kernels' SMs (Buffer.set_num_sms): the prefill SM budget ep_comm is held to
@@ -184,7 +183,7 @@ class DeepEPPeer:
     def time(self, variant: str, fp8: bool, tokens: int, sets: list[RunSet]) -> tuple[list[float], list[float]]:
         """Per-op µs (dispatch, combine) over the run sets, events around each call like our ops."""
         env, args = self.env, self.args
-        hide_gap = args.mode == "graph"  # like our graph replays (bench_measure.hide_launch_gap)
+        hide_gap = args.mode == "graph"  # like our graph replays (launcher.align_devices)
         prepared = []
         for rs in sets:  # conversions outside the timed region (DeepEP wants int64 ids)
             ids = rs.inp.topk_ids.to(self.idx_dtype)
@@ -197,13 +196,10 @@ class DeepEPPeer:
                 if timer is None:
                     return None, None
                 end = timer.stamp()
-                if hide_gap:
-                    hide_launch_gap(env.device)
+                align_devices(env, hide_gap)
                 return end, timer.stamp()
 
             if timer is not None:
-                if hide_gap:
-                    hide_launch_gap(env.device)
                 t0 = timer.stamp()
             if variant.startswith("normal"):
                 recv_x, _, _, handle = self._normal_dispatch(x, ids, w)
@@ -229,7 +225,7 @@ class DeepEPPeer:
         timer = Timer(env.device)
         for prep, n in zip(prepared, split_iters(args)):
             for _ in range(n):
-                host_barrier(env)
+                host_barrier(env, hide_gap)
                 pair(*prep, timer)
         disp, _gap, comb = timer.sections_us()
         return disp, comb
