@@ -14,11 +14,14 @@ reduce_scatterv).  This module holds what they share:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
+from ..errors import EPError
 from ..layouts import Dispatched
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
@@ -311,11 +314,14 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     )
 
 
-def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.Tensor,
+                    fused: Optional[bool] = None) -> None:
     """Write this rank's float32 contribution to every gathered token into ``out`` (padding masked).
 
     ``out`` is ``[R, hidden]`` or ``[world, R / world, hidden]`` (a strided view of a reduction buffer
     with header rows between the chunks); the gathered rows are laid over its leading dims.
+    ``fused``: batched layout on CUDA, whether to use the fused kernel (``ep_comm::collective_combine_partial``);
+    None picks it whenever the extension has it (``fused_combine_unavailable()``).
     """
     lead = tuple(out.shape[:-1])
     hidden = expert_out.shape[-1]
@@ -324,6 +330,49 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
         torch.where(handle.row_valid.view(*lead, 1), expert_out.float().reshape(*lead, hidden), zero, out=out)
         return
     flat = expert_out.reshape(-1, hidden)
+    if flat.device.type == "cuda":
+        if fused is None:
+            fused = not fused_combine_unavailable()
+        if fused:
+            _combine_partial_fused(flat, handle, out)
+            return
+    _combine_partial_torch(flat, handle, out)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_combine_unavailable() -> str:
+    """'' when batched combine on CUDA runs the fused kernel, else why it runs torch ops instead.
+
+    ``EP_COMM_COLLECTIVE_COMBINE=torch`` keeps the torch ops (to compare the two on a GPU); read once.
+    """
+    if os.environ.get("EP_COMM_COLLECTIVE_COMBINE", "").lower() == "torch":
+        return "EP_COMM_COLLECTIVE_COMBINE=torch"
+    from . import kernel_ops  # imports nothing CUDA-specific until asked
+
+    why = kernel_ops.unavailable_reason()
+    if why:
+        return why
+    if not hasattr(torch.ops.ep_comm, "collective_combine_partial"):
+        return "the built ep_comm._C predates the collective combine kernel: reinstall the package"
+    return ""
+
+
+def _combine_partial_fused(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+    """One kernel: per gathered row, read only the local pairs' rows, weight and sum them in float32
+    and write the row once (padding never read, rows without a local pair written as zeros)."""
+    why = fused_combine_unavailable()
+    if why:
+        raise EPError(f"the fused collective combine kernel cannot run: {why}")
+    try:
+        torch.ops.ep_comm.collective_combine_partial(flat, handle.dest, handle.local_weights, out)
+    except RuntimeError as exc:  # a launch failure or a shape the op refuses: typed, with the cause
+        raise EPError(f"collective combine kernel failed: {exc}") from exc
+
+
+def _combine_partial_torch(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+    lead = tuple(out.shape[:-1])
+    hidden = flat.shape[-1]
+    zero = out.new_zeros(())
     slots = flat.shape[0]
     k = handle.dest.shape[1]
     valid = handle.dest < slots  # [R, k]
@@ -336,10 +385,10 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
         out.zero_()
         out.index_add_(0, torch.div(pos, k, rounding_mode="floor"), src)
         return
-    # static shapes (CUDA graphs): one gather of every (row, expert) pair in the payload dtype, padding
-    # zeroed in place (padding slots may hold NaN), then k fused multiply-adds into the float32 output.
-    # No [R, k, hidden] float32 temporaries: half the memory traffic of weighting the gathered rows in
-    # float32 and summing them (a fused gather-weight-sum kernel is the real fix)
+    # static shapes (CUDA graphs without the extension): one gather of every (row, expert) pair in the
+    # payload dtype, padding zeroed in place (padding slots may hold NaN), then k fused multiply-adds
+    # into the float32 output.  No [R, k, hidden] float32 temporaries; still R·k rows read and the
+    # output rewritten k times, which is why CUDA uses the fused kernel when it is built
     rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1))
     rows.masked_fill_(~valid.reshape(-1, 1), 0)
     rows = rows.view(*lead, k, hidden)
