@@ -8,7 +8,8 @@ device sync, the control plane's host agreement, the routing guard, packing, the
 layout selection, the combine partial sums) with host timers, runs ``--iters`` dispatch+combine
 pairs lined up like ``ep-comm bench --mode eager``, and prints the mean host µs per call of each
 piece (slowest rank) next to the end-to-end op time.  On GPUs the pieces' host time is launch and
-sync cost (kernels run asynchronously); the end-to-end time includes the device work.
+sync cost (kernels run asynchronously); the end-to-end time includes the device work.  It also
+counts the aten ops one dispatch and one combine issue (views apart, each is a kernel launch on a GPU).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E40
 
 PIECES_MODULE = {  # module attribute -> label
     (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
-    (comm_mod, "check_ids"): "id check (device sync)", (comm_mod, "sanitize_routing"): "routing guard",
+    (comm_mod, "check_ids"): "id check: naming the token", (gathered, "ids_in_range"): "id check (device sync)",
+    (comm_mod, "sanitize_routing"): "routing guard", (gathered, "merge_duplicates"): "routing guard",
     (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
     (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",
 }
@@ -52,6 +54,32 @@ def _wrap(acc: dict, label: str, fn, sync: bool):
     return timed
 
 
+_VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided", "alias",
+             "t", "detach", "permute", "split", "split_with_sizes", "unbind", "_reshape_alias", "empty", "empty_like",
+             "new_empty", "lift_fresh", "_to_copy_noop"}
+
+
+def count_ops(fn) -> dict:
+    """``{"ops": n, "kernels": m}``: aten ops that ``fn`` issues, and those that are not views or
+    allocations (a kernel launch each on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = collections.Counter()
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            counts["ops"] += 1
+            if name not in _VIEW_OPS:
+                counts["kernels"] += 1
+                counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return dict(counts)
+
+
 def rank_main(args: argparse.Namespace) -> dict:
     env = setup_rank(300.0)
     cuda = env.device.type == "cuda"
@@ -62,7 +90,8 @@ def rank_main(args: argparse.Namespace) -> dict:
     inputs = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)
     inp = inputs[env.rank].to(env.device)
     acc: dict = collections.defaultdict(list)
-    originals = {key: getattr(*key) for key in PIECES_MODULE}
+    pieces = {key: label for key, label in PIECES_MODULE.items() if hasattr(*key)}  # older trees lack some
+    originals = {key: getattr(*key) for key in pieces}
 
     eo_cache: dict = {}
 
@@ -76,8 +105,18 @@ def rank_main(args: argparse.Namespace) -> dict:
         d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
         comm.combine(expert_out(d), d)
 
+    if args.no_overlap and hasattr(comm.control, "agree_start"):  # A/B: wait for the peers before the local work
+        blocking_start = comm.control.agree_start
+
+        def agree_now(*a, **k):
+            peers = blocking_start(*a, **k)()
+            return lambda: peers
+        comm.control.agree_start = agree_now
     for _ in range(args.warmup):
         pair()
+    holder: dict = {}
+    op_counts = {"dispatch": count_ops(lambda: holder.update(d=comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)))}
+    op_counts["combine"] = count_ops(lambda: comm.combine(expert_out(holder["d"]), holder["d"]))
     # end-to-end first (no wrappers), like the bench: lined up, synced
     e2e = collections.defaultdict(list)
     for _ in range(args.iters):
@@ -94,21 +133,30 @@ def rank_main(args: argparse.Namespace) -> dict:
         e2e["combine"].append(time.perf_counter() - t1)
     # then the pieces (host time; with --sync also the device time of each piece)
     try:
-        for (mod, name), label in PIECES_MODULE.items():
+        for (mod, name), label in pieces.items():
             setattr(mod, name, _wrap(acc, label, originals[(mod, name)], cuda and args.sync))
-        for obj, name, label in ((comm.control, "agree", "host agreement (gloo)"),
-                                 (comm._impl, "gather", "dispatch collective"),
+        if hasattr(comm.control, "agree_start"):
+            start = comm.control.agree_start
+
+            def agree_start(*a, **k):  # the send, then (later, after the local work) the wait
+                wait = _wrap(acc, "host agreement: send", start, False)(*a, **k)
+                return _wrap(acc, "host agreement: wait (gloo)", wait, cuda and args.sync)
+
+            comm.control.agree_start = agree_start
+        else:  # a tree from before the split agreement
+            comm.control.agree = _wrap(acc, "host agreement (gloo)", comm.control.agree, cuda and args.sync)
+        for obj, name, label in ((comm._impl, "gather", "dispatch collective"),
                                  (comm._impl, "reduce", "combine collective")):
             setattr(obj, name, _wrap(acc, label, getattr(obj, name), cuda and args.sync))
         for _ in range(args.iters):
             host_barrier(env)
             pair()
     finally:
-        for (mod, name) in PIECES_MODULE:
+        for (mod, name) in pieces:
             setattr(mod, name, originals[(mod, name)])
     host_barrier(env)
     mine = {"e2e": {k: sorted(v)[len(v) // 2] * 1e6 for k, v in e2e.items()},
-            "pieces": {k: sum(v) / args.iters * 1e6 for k, v in acc.items()}}
+            "pieces": {k: sum(v) / args.iters * 1e6 for k, v in acc.items()}, "ops": op_counts}
     everyone = gather_objects(env, mine)
     comm.close()
     dist.destroy_process_group()
@@ -126,6 +174,9 @@ def main() -> None:
     p.add_argument("--layout", default="standard")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="wait for the host agreement before the local work (as before the split agreement)")
+    p.add_argument("--ops", action="store_true", help="list the kernels (aten ops) each op issues")
     p.add_argument("--sync", action="store_true", help="GPU: sync around every piece (device time per piece)")
     args = p.parse_args()
     res = raise_on_failure(spawn_local(rank_main, args.nproc, (args,), timeout_s=600,
@@ -133,7 +184,13 @@ def main() -> None:
     print(f"{args.backend}/{args.layout}, {args.nproc} ranks, {args.tokens} tok, hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts}; µs, slowest rank")
     for op in ("dispatch", "combine"):
-        print(f"  eager {op} p50 (end to end): {max(r['e2e'][op] for r in res):9.1f}")
+        ops = res[0]["ops"][op]
+        print(f"  eager {op} p50 (end to end): {max(r['e2e'][op] for r in res):9.1f}   "
+              f"({ops.get('kernels', 0)} kernels in {ops.get('ops', 0)} aten ops on rank 0)")
+    if args.ops:
+        for op in ("dispatch", "combine"):
+            top = sorted(((n, c) for n, c in res[0]["ops"][op].items() if n not in ("ops", "kernels")), key=lambda t: -t[1])
+            print(f"  {op} kernels: " + ", ".join(f"{n} {c}" for n, c in top))
     labels = sorted({k for r in res for k in r["pieces"]}, key=lambda k: -max(r["pieces"].get(k, 0) for r in res))
     for k in labels:
         print(f"  {k:28s} {max(r['pieces'].get(k, 0.0) for r in res):9.1f} per pair")

@@ -13,6 +13,9 @@
 
 #include "common/protocol.h"
 #include "mnnvl/mnnvl.cuh"
+// ---- collective backends' combine partial sums (begin) ----
+#include "collective/combine_partial.h"
+// ---- collective backends' combine partial sums (end) ----
 
 namespace ep_comm {
 namespace {
@@ -205,6 +208,50 @@ std::tuple<at::Tensor, int64_t> mapped_arena() {
   return {t, static_cast<int64_t>(reinterpret_cast<uintptr_t>(dev))};
 }
 
+// ---- collective backends' combine partial sums (begin) ----
+// ep_comm::collective_combine_partial: the float32 partial rows of a batched combine of naive/ag_rs
+// (csrc/collective/combine_partial.h).  ``out`` is [rows, hidden] or the [world, rows / world, hidden]
+// view of the reduction buffer that skips its header rows; it is fully overwritten.
+void collective_combine_partial(const at::Tensor& expert_out, const at::Tensor& dest, const at::Tensor& weights,
+                                at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(expert_out.device());
+  TORCH_CHECK(expert_out.is_cuda() && dest.is_cuda() && weights.is_cuda() && out.is_cuda(),
+              "ep_comm: collective_combine_partial needs CUDA tensors");
+  TORCH_CHECK(expert_out.dim() == 2, "ep_comm: expert_out must be [slots, hidden]");
+  TORCH_CHECK(dest.scalar_type() == at::kLong && dest.dim() == 2, "ep_comm: dest must be int64 [rows, k]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == dest.sizes(),
+              "ep_comm: weights must be float32 shaped like dest");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && (out.dim() == 2 || out.dim() == 3) && out.stride(-1) == 1,
+              "ep_comm: out must be float32 [rows, hidden] or [chunks, rows / chunks, hidden], rows contiguous");
+  const int64_t hidden = expert_out.size(1);
+  const int64_t rows = dest.size(0);
+  TORCH_CHECK(out.size(-1) == hidden, "ep_comm: out has width ", out.size(-1), ", expert_out ", hidden);
+  const int64_t per_chunk = out.dim() == 3 ? out.size(1) : out.size(0);
+  const int64_t out_rows = out.dim() == 3 ? out.size(0) * per_chunk : per_chunk;
+  TORCH_CHECK(out_rows == rows, "ep_comm: out has ", out_rows, " rows, dest ", rows);
+  if (rows == 0 || hidden == 0) return;
+  const at::Tensor eo = expert_out.contiguous(), d = dest.contiguous(), w = weights.contiguous();
+  collective::CombinePartialParams p{};
+  p.expert_out = eo.data_ptr();
+  p.dest = d.data_ptr<int64_t>();
+  p.weights = w.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  p.rows = rows;
+  p.k = dest.size(1);
+  p.hidden = hidden;
+  p.slots = eo.size(0);
+  p.rows_per_chunk = per_chunk;
+  p.row_stride = out.dim() == 3 ? out.stride(1) : out.stride(0);
+  p.chunk_stride = out.dim() == 3 ? out.stride(0) : 0;
+  // 16-byte vectors only where every row starts 16-byte aligned; other shapes take the scalar kernel
+  const bool vectorised = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(p.expert_out) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.row_stride % 4 == 0 &&
+                          p.chunk_stride % 4 == 0;
+  EP_CUDA_CHECK(collective::launch_combine_partial(p, dtype_code(eo.scalar_type()), vectorised,
+                                                   c10::cuda::getCurrentCUDAStream()));
+}
+// ---- collective backends' combine partial sums (end) ----
+
 }  // namespace
 }  // namespace ep_comm
 
@@ -216,6 +263,7 @@ TORCH_LIBRARY(ep_comm, m) {
         "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg) -> ()");
   m.def("mnnvl_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");
   m.def("check_ids(Tensor topk_ids, int num_experts, int flag_ptr) -> ()");
+  m.def("collective_combine_partial(Tensor expert_out, Tensor dest, Tensor weights, Tensor(a!) out) -> ()");  // collective backends
 }
 
 TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
@@ -223,6 +271,7 @@ TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
   m.impl("mnnvl_combine", &ep_comm::mnnvl_combine);
   m.impl("mnnvl_abort", &ep_comm::mnnvl_abort);
   m.impl("check_ids", &ep_comm::check_ids);
+  m.impl("collective_combine_partial", &ep_comm::collective_combine_partial);  // collective backends
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends as _backends
+from .backends import gathered as _gathered
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
 from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
@@ -129,29 +130,39 @@ class Communicator:
         error: Optional[BaseException] = None
         try:
             validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
-            if not capturing:
-                check_ids(topk_ids, self.cfg.num_experts, self.rank)
+            if not capturing and not _gathered.ids_in_range(topk_ids, self.cfg.num_experts):
+                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
             error = exc if isinstance(exc, EPError) else EPInputError(f"invalid dispatch input: {exc!r}")
+        wait = None
         if capturing:
             if error is not None:
                 raise error
-            peer_tokens = None
         else:
             num_tokens = x.shape[0] if error is None else 0
-            peers = self.control.agree(OP_DISPATCH, self._epoch, num_tokens, error)
-            peer_tokens = [p.num_tokens for p in peers]
-
-        ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
-        if capturing:
-            self._error_flags[FLAG_INVALID_IDS] += num_invalid
-        if self.cfg.quant == "fp8":
-            payload, scales = quantize_fp8(x)
-        else:
-            payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
-        batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, peer_tokens)
+            wait = self.control.agree_start(OP_DISPATCH, self._epoch, num_tokens, error)
+            if error is not None:
+                wait()  # raises on every rank, this one's own error here
+                raise error
+        try:  # local work while the peers' records travel (docs/design.md §10: one round trip per call)
+            if capturing:
+                ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
+                self._error_flags[FLAG_INVALID_IDS] += num_invalid
+            else:  # ids were checked in range above: only duplicates are left to merge
+                ids, weights = _gathered.merge_duplicates(topk_ids, topk_weights)
+            if self.cfg.quant == "fp8":
+                payload, scales = quantize_fp8(x)
+            else:
+                payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
+            batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None)
+            prepared = self._impl.prepare_dispatch(batch, eager=not capturing)
+        except BaseException:
+            _settle(wait)
+            raise
+        if wait is not None:
+            batch.peer_tokens = [p.num_tokens for p in wait()]
         try:
-            out = self._impl.dispatch(batch)
+            out = self._impl.dispatch(batch, prepared)
         except Exception as exc:
             typed = self._transport_failure(OP_DISPATCH, self._epoch, exc, capturing)
             if typed is exc:
@@ -186,16 +197,27 @@ class Communicator:
             validate_combine(self.cfg, self.device, expert_out, dispatched, out)
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
             error = exc if isinstance(exc, EPError) else EPInputError(f"invalid combine input: {exc!r}")
+        wait = None
         if capturing:
             if error is not None:
                 raise error
         else:
-            self.control.agree(OP_COMBINE, dispatched.epoch if error is None else -1,
-                               0 if error is not None else dispatched.num_tokens, error)
+            wait = self.control.agree_start(OP_COMBINE, dispatched.epoch if error is None else -1,
+                                            0 if error is not None else dispatched.num_tokens, error)
+            if error is not None:
+                wait()  # raises on every rank, this one's own error here
+                raise error
         if out is None:
             out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        try:  # the partial sums are local: computed while the peers' records travel
+            prepared = self._impl.prepare_combine(expert_out, dispatched)
+        except BaseException:
+            _settle(wait)
+            raise
+        if wait is not None:
+            wait()
         try:
-            return self._impl.combine(expert_out, dispatched, out)
+            return self._impl.combine(expert_out, dispatched, out, prepared)
         except Exception as exc:
             typed = self._transport_failure(OP_COMBINE, dispatched.epoch, exc, capturing)
             if typed is exc:
@@ -320,6 +342,17 @@ class Communicator:
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _settle(wait) -> None:
+    """Local work failed after this rank's agreement record went out: still take the peers' records
+    (the next call's exchange must not meet this one's), then let the local error propagate."""
+    if wait is None:
+        return
+    try:
+        wait()
+    except Exception:  # noqa: BLE001 - the local error is the one to report
+        pass
 
 
 def _no_hooks(requested: bool) -> None:

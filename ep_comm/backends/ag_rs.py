@@ -7,12 +7,12 @@ be static, so it pads to ``max_tokens_per_rank`` there (same collectives, fixed 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from .base import RoutedBatch
-from .collectives import all_gatherv, reduce_scatterv
+from .collectives import all_gather_equal, all_gatherv, reduce_scatterv
 from .gathered import CollectiveBackend
 
 
@@ -24,8 +24,13 @@ class AllGatherReduceScatterBackend(CollectiveBackend):
             return list(batch.peer_tokens)
         return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.world_size
 
-    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Sequence[torch.Tensor]:
+    def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
+        return batch.num_tokens if eager else self.ctx.cfg.max_tokens_per_rank
+
+    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Union[torch.Tensor, Sequence[torch.Tensor]]:
         ctx = self.ctx
+        if len(set(nbytes)) == 1:  # one [world, nbytes] tensor: unpack then reads strided views of it
+            return all_gather_equal(send, ctx.world_size, ctx.group)
         return all_gatherv(send, nbytes, ctx.rank, ctx.control.global_ranks, ctx.group)
 
     def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:

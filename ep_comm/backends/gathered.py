@@ -14,11 +14,14 @@ reduce_scatterv).  This module holds what they share:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
+from ..errors import EPError
 from ..layouts import Dispatched
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
@@ -52,33 +55,108 @@ class CollectiveBackend:
     def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
         raise NotImplementedError
 
-    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Sequence[torch.Tensor]:
+    def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
+        """Token slots this rank sends, known before the peers' counts are (``rows_per_rank``'s own entry)."""
+        raise NotImplementedError
+
+    def gather(self, send: torch.Tensor, nbytes: list[int]):
+        """Every rank's packed buffer: a list, or one ``[world, nbytes]`` tensor when sizes are equal."""
         raise NotImplementedError
 
     def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
         raise NotImplementedError
 
-    def dispatch(self, batch: RoutedBatch) -> Dispatched:
+    # Each op is split into a local half (no peer involved: it may run while the host agreement is in
+    # flight, docs/design.md §10) and the exchange; dispatch()/combine() run both.
+    def prepare_dispatch(self, batch: RoutedBatch, eager: bool) -> "PreparedDispatch":
+        """Pack this rank's send buffer (local work only)."""
         ctx = self.ctx
         checks = device_checks(ctx)
+        mine = layout_for(batch, self.own_rows(batch, eager))
+        send = torch.empty(mine.nbytes, dtype=torch.uint8, device=ctx.device)
+        pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None)
+        return PreparedDispatch(mine, send, checks)
+
+    def dispatch(self, batch: RoutedBatch, prepared: Optional["PreparedDispatch"] = None) -> Dispatched:
+        ctx = self.ctx
+        if prepared is None:
+            prepared = self.prepare_dispatch(batch, eager=batch.peer_tokens is not None)
         layouts = [layout_for(batch, n) for n in self.rows_per_rank(batch)]
-        send = torch.empty(layouts[ctx.rank].nbytes, dtype=torch.uint8, device=ctx.device)
-        pack(batch, layouts[ctx.rank], send, header=(OP_DISPATCH, ctx.rank) if checks else None)
-        g = unpack(self.gather(send, [lay.nbytes for lay in layouts]), layouts)
-        if checks:
+        if layouts[ctx.rank] != prepared.layout:  # the agreed counts contradict what was packed
+            raise EPError(f"rank {ctx.rank}: packed {prepared.layout.rows} token slots but the agreed counts say "
+                          f"{layouts[ctx.rank].rows}")
+        g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts, headers=prepared.checks)
+        if prepared.checks:
             check_dispatch_headers(ctx, g, OP_DISPATCH, batch.epoch)
         return select_local(ctx, g, batch.num_tokens, batch.epoch)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
-        ctx = self.ctx
+    def prepare_combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> "PreparedCombine":
+        """This rank's float32 partial outputs in the reduction buffer (local work only)."""
         handle: GatherHandle = dispatched.handle
-        buf, chunk_rows, partial, header = reduce_buffer(ctx, handle.rows, expert_out.shape[-1], dispatched.epoch)
+        buf, chunk_rows, partial, header = reduce_buffer(self.ctx, handle.rows, expert_out.shape[-1], dispatched.epoch)
         combine_partial(expert_out, handle, partial)
-        mine = self.reduce(buf, chunk_rows)
-        if header:
+        return PreparedCombine(buf, chunk_rows, header)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor,
+                prepared: Optional["PreparedCombine"] = None) -> torch.Tensor:
+        ctx = self.ctx
+        if prepared is None:
+            prepared = self.prepare_combine(expert_out, dispatched)
+        mine = self.reduce(prepared.buf, prepared.chunk_rows)
+        if prepared.header:
             mine = check_combine_header(ctx, mine, dispatched.epoch)
         out.copy_(mine[: dispatched.num_tokens])
         return out
+
+
+@dataclasses.dataclass
+class PreparedDispatch:
+    layout: "PackLayout"
+    send: torch.Tensor
+    checks: bool  # the buffer carries the device-checked (op, epoch) header
+
+
+@dataclasses.dataclass
+class PreparedCombine:
+    buf: torch.Tensor
+    chunk_rows: list[int]
+    header: bool
+
+
+_EARLIER: dict = {}
+
+
+def merge_duplicates(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing guard (docs/design.md §8) for ids already checked to be -1 or valid (eager calls):
+    what ``routing.sanitize_routing`` returns, without its invalid-id pass, in about half the kernels.
+
+    Returns int64 ids with each expert kept in its first slot only (-1 elsewhere) and float32 weights
+    with the duplicates' weights summed into that slot (0 on -1 slots).
+    """
+    ids = topk_ids.to(torch.int64)
+    weights = topk_weights.to(torch.float32)
+    k = ids.shape[1]
+    key = (k, ids.device)
+    earlier = _EARLIER.get(key)
+    if earlier is None:
+        earlier = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
+    valid = ids >= 0
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & valid.unsqueeze(2)  # [T, k, k]
+    is_dup = (same & earlier).any(dim=2)  # only valid slots can be duplicates
+    keep = valid ^ is_dup  # = valid & ~is_dup, one kernel
+    zero = _zero(ids.device)
+    merged = torch.where(same, weights.unsqueeze(1), zero).sum(dim=2)
+    return torch.where(keep, ids, _const(-1, torch.int64, ids.device)), torch.where(keep, merged, zero)
+
+
+def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether every id is -1 or a valid expert: one reduction and one device-to-host copy (the eager
+    check; ``routing.check_ids`` then names the offending token when this says no)."""
+    if topk_ids.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(topk_ids)
+    lo, hi = torch.stack((lo, hi)).tolist()
+    return lo >= -1 and hi < num_experts
 
 
 def device_checks(ctx: BackendContext) -> bool:
@@ -165,10 +243,11 @@ def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
             words[i].fill_(value)
     ids = out[layout.ids_off: layout.ids_off + rows * k * 4].view(torch.int32).view(rows, k)
     ids[:t].copy_(batch.topk_ids)
-    ids[t:].fill_(-1)
     w = out[layout.w_off: layout.w_off + rows * k * 4].view(torch.float32).view(rows, k)
     w[:t].copy_(batch.topk_weights)
-    w[t:].zero_()
+    if t < rows:  # padding slots (none in an eager ag_rs call)
+        ids[t:].fill_(-1)
+        w[t:].zero_()
     if t:
         xb = out[layout.x_off: layout.x_off + t * layout.x_row_bytes]
         xb.copy_(batch.x.reshape(t, -1).view(torch.uint8).reshape(-1))
@@ -182,16 +261,34 @@ def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
 class Gathered:
     """All ranks' tokens concatenated rank-major: rows ``[offsets[r], offsets[r] + rows[r])`` are rank r's."""
 
-    ids: torch.Tensor  # [R, k] int64 global ids (-1 padding)
+    ids: torch.Tensor  # [R, k] int32 global ids (-1 padding)
     weights: torch.Tensor  # [R, k] float32
     x: torch.Tensor  # [R, *tail] payload dtype
     x_scales: Optional[torch.Tensor]  # [R, S]
     rows: list[int]
-    headers: torch.Tensor  # [world, HEADER_INTS] int32 (meaningful only when device_checks)
+    headers: Optional[torch.Tensor]  # [world, HEADER_INTS] int32 (meaningful only when device_checks)
 
 
-def unpack(buffers: Sequence[torch.Tensor], layouts: Sequence[PackLayout]) -> Gathered:
-    """Concatenate the per-rank packed buffers into rank-major tensors (one copy per field)."""
+def unpack(buffers, layouts: Sequence[PackLayout], headers: bool = True) -> Gathered:
+    """Every rank's packed buffer (a list, or one ``[world, nbytes]`` tensor when sizes are equal) as
+    rank-major tensors: one copy per field.  ``headers``: also collect the (op, epoch) headers."""
+    if isinstance(buffers, torch.Tensor):
+        lay = layouts[0]
+        n, k, world = lay.rows, lay.top_k, buffers.shape[0]
+
+        def field(off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+            return buffers[:, off: off + nbytes].view(dtype)  # [world, per-rank elements], strided
+        s = None
+        if lay.s_dtype is not None:
+            s = field(lay.s_off, n * lay.s_row_bytes, lay.s_dtype).reshape(world * n, lay.s_width)
+        return Gathered(
+            ids=field(lay.ids_off, n * k * 4, torch.int32).reshape(world * n, k),
+            weights=field(lay.w_off, n * k * 4, torch.float32).reshape(world * n, k),
+            x=field(lay.x_off, n * lay.x_row_bytes, lay.x_dtype).reshape(world * n, *lay.x_shape_tail),
+            x_scales=s,
+            rows=[n] * world,
+            headers=field(0, HEADER_INTS * 4, torch.int32) if headers else None,
+        )
     ids, ws, xs, ss, hdrs = [], [], [], [], []
     for buf, lay in zip(buffers, layouts):
         n, k = lay.rows, lay.top_k
@@ -202,12 +299,12 @@ def unpack(buffers: Sequence[torch.Tensor], layouts: Sequence[PackLayout]) -> Ga
         if lay.s_dtype is not None:
             ss.append(buf[lay.s_off: lay.s_off + n * lay.s_row_bytes].view(lay.s_dtype).view(n, lay.s_width))
     return Gathered(
-        ids=torch.cat(ids).to(torch.int64),
+        ids=torch.cat(ids),
         weights=torch.cat(ws),
         x=torch.cat(xs),
         x_scales=torch.cat(ss) if ss else None,
         rows=[lay.rows for lay in layouts],
-        headers=torch.stack(hdrs),
+        headers=torch.stack(hdrs) if headers else None,
     )
 
 
@@ -243,16 +340,17 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync)."""
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
     first = ctx.rank * L
-    local = g.ids - first
-    is_local = (g.ids >= 0) & (local >= 0) & (local < L)
-    local_ids = torch.where(is_local, local, torch.full_like(local, -1))
-    local_w = torch.where(is_local, g.weights, torch.zeros_like(g.weights))
+    # ids are -1 or valid global ids here (the routing guard ran): -1 < first, so two compares suffice
+    is_local = (g.ids >= first) & (g.ids < first + L)
+    dev = g.ids.device
+    local_ids = torch.where(is_local, g.ids - first, _const(-1, torch.int32, dev))  # int32 like g.ids
+    local_w = torch.where(is_local, g.weights, _zero(dev))
     row_valid = is_local.any(dim=1)
 
     if cfg.layout == "standard":
         handle = GatherHandle(g.rows, row_valid, None, local_w)
         return Dispatched(
-            layout="standard", x=g.x, x_scales=g.x_scales, topk_ids=local_ids.to(torch.int32),
+            layout="standard", x=g.x, x_scales=g.x_scales, topk_ids=local_ids,
             topk_weights=local_w, num_tokens=num_tokens, epoch=epoch, handle=handle,
         )
 
@@ -260,7 +358,7 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     # The running count is an inclusive scan along the *last* dim of an expert-major one-hot: torch
     # scans an outer dim with one sequential thread per column (measured 26 ms at 4096 tokens, H200).
     r, k = local_ids.shape
-    pair_expert = local_ids.reshape(-1)
+    pair_expert = local_ids.reshape(-1).to(torch.int64)  # slot arithmetic and scatter/gather indices
     valid_pairs = pair_expert >= 0
     expert_of_pair = pair_expert.clamp_min(0).unsqueeze(0)  # [1, R*k]
     onehot = torch.zeros(L, r * k, dtype=torch.int32, device=g.ids.device)
@@ -311,19 +409,86 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     )
 
 
-def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.Tensor,
+                    fused: Optional[bool] = None) -> None:
     """Write this rank's float32 contribution to every gathered token into ``out`` (padding masked).
 
     ``out`` is ``[R, hidden]`` or ``[world, R / world, hidden]`` (a strided view of a reduction buffer
     with header rows between the chunks); the gathered rows are laid over its leading dims.
+    ``fused``: batched layout on CUDA, whether to use the fused kernel (``ep_comm::collective_combine_partial``);
+    None picks it whenever the extension has it (``fused_combine_unavailable()``).
     """
     lead = tuple(out.shape[:-1])
     hidden = expert_out.shape[-1]
-    zero = out.new_zeros(())  # where(out=) takes no Python scalar
     if handle.dest is None:  # standard: rows are already weighted sums over this rank's experts
-        torch.where(handle.row_valid.view(*lead, 1), expert_out.float().reshape(*lead, hidden), zero, out=out)
+        torch.where(handle.row_valid.view(*lead, 1), expert_out.float().reshape(*lead, hidden), _zero(out.device),
+                    out=out)
         return
     flat = expert_out.reshape(-1, hidden)
+    if flat.device.type == "cuda":
+        if fused is None:
+            fused = not fused_combine_unavailable()
+        if fused:
+            _combine_partial_fused(flat, handle, out)
+            return
+    _combine_partial_torch(flat, handle, out)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_combine_unavailable() -> str:
+    """'' when batched combine on CUDA runs the fused kernel, else why it runs torch ops instead.
+
+    ``EP_COMM_COLLECTIVE_COMBINE=torch`` keeps the torch ops (to compare the two on a GPU); read once.
+    """
+    if os.environ.get("EP_COMM_COLLECTIVE_COMBINE", "").lower() == "torch":
+        return "EP_COMM_COLLECTIVE_COMBINE=torch"
+    from . import kernel_ops  # imports nothing CUDA-specific until asked
+
+    why = kernel_ops.unavailable_reason()
+    if why:
+        return why
+    if not hasattr(torch.ops.ep_comm, "collective_combine_partial"):
+        return "the built ep_comm._C predates the collective combine kernel: reinstall the package"
+    return ""
+
+
+def _combine_partial_fused(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+    """One kernel: per gathered row, read only the local pairs' rows, weight and sum them in float32
+    and write the row once (padding never read, rows without a local pair written as zeros)."""
+    why = fused_combine_unavailable()
+    if why:
+        raise EPError(f"the fused collective combine kernel cannot run: {why}")
+    try:
+        torch.ops.ep_comm.collective_combine_partial(flat, handle.dest, handle.local_weights, out)
+    except RuntimeError as exc:  # a launch failure or a shape the op refuses: typed, with the cause
+        raise EPError(f"collective combine kernel failed: {exc}") from exc
+
+
+_CONSTS: dict = {}
+
+
+def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor on ``device``, made once.  ``torch.where`` turns a Python scalar into a fresh
+    device tensor on every call (a fill kernel each on CUDA), and where(out=) takes none at all."""
+    key = (value, dtype, device)
+    c = _CONSTS.get(key)
+    if c is None:
+        c = torch.full((), value, dtype=dtype, device=device)
+        # one made while a CUDA graph is captured holds its value only inside replays (and lives in
+        # the graph's memory pool): use it for this call, never keep it
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _CONSTS[key] = c
+    return c
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return _const(0.0, torch.float32, device)
+
+
+def _combine_partial_torch(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+    lead = tuple(out.shape[:-1])
+    hidden = flat.shape[-1]
+    zero = _zero(out.device)
     slots = flat.shape[0]
     k = handle.dest.shape[1]
     valid = handle.dest < slots  # [R, k]
@@ -336,10 +501,10 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
         out.zero_()
         out.index_add_(0, torch.div(pos, k, rounding_mode="floor"), src)
         return
-    # static shapes (CUDA graphs): one gather of every (row, expert) pair in the payload dtype, padding
-    # zeroed in place (padding slots may hold NaN), then k fused multiply-adds into the float32 output.
-    # No [R, k, hidden] float32 temporaries: half the memory traffic of weighting the gathered rows in
-    # float32 and summing them (a fused gather-weight-sum kernel is the real fix)
+    # static shapes (CUDA graphs without the extension): one gather of every (row, expert) pair in the
+    # payload dtype, padding zeroed in place (padding slots may hold NaN), then k fused multiply-adds
+    # into the float32 output.  No [R, k, hidden] float32 temporaries; still R·k rows read and the
+    # output rewritten k times, which is why CUDA uses the fused kernel when it is built
     rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1))
     rows.masked_fill_(~valid.reshape(-1, 1), 0)
     rows = rows.view(*lead, k, hidden)

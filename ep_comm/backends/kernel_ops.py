@@ -9,6 +9,7 @@ so a compiled function traces through them without a graph break.
     mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg) -> ()
     mnnvl_abort(state!, peer_base, cfg) -> ()
     check_ids(topk_ids, num_experts, flag_ptr) -> ()
+    collective_combine_partial(expert_out, dest, weights, out!) -> ()   (naive/ag_rs batched combine)
 
 ``cfg`` is the int vector described in ``ep_comm.backends.kernel_protocol``.  Without a CUDA build
 of torch or nvcc at install time the extension is absent; ``unavailable_reason()`` says so.
@@ -135,3 +136,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "check_ids")
     def _check_fake(topk_ids, num_experts, flag_ptr):
         return None
+
+    # collective backends (naive, ag_rs): fused batched-combine partial sums.  An extension built
+    # before this op existed lacks it; the collective path then stays on torch ops.
+    if hasattr(torch.ops.ep_comm, "collective_combine_partial"):
+        @torch.library.register_fake(lib + "collective_combine_partial")
+        def _collective_combine_partial_fake(expert_out, dest, weights, out):
+            return None

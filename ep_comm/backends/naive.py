@@ -6,8 +6,6 @@ CUDA-graph capturable on NCCL; it works unchanged on gloo (CPU).
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -22,8 +20,11 @@ class NaiveBackend(CollectiveBackend):
     def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
         return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.world_size
 
-    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Sequence[torch.Tensor]:
-        return all_gather_equal(send, self.ctx.world_size, self.ctx.group).unbind(0)
+    def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
+        return self.ctx.cfg.max_tokens_per_rank
+
+    def gather(self, send: torch.Tensor, nbytes: list[int]) -> torch.Tensor:
+        return all_gather_equal(send, self.ctx.world_size, self.ctx.group)
 
     def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
         dist.all_reduce(buf, group=self.ctx.group)

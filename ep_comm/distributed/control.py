@@ -136,15 +136,27 @@ class ControlPlane:
         self.identities = [i for _, i in ids]
 
     def _allgather(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1) -> list[torch.Tensor]:
+        return self._allgather_start(tensor, op, epoch)()
+
+    def _allgather_start(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1):
+        """Start an all-gather on gloo's own threads; returns ``wait() -> list[Tensor]`` that raises the
+        typed failure.  The caller can do local work (launch kernels) while the peers answer."""
         pg = self._pg
         if pg is None:
             raise EPError("the communicator's control plane is closed")
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
         try:
-            pg.allgather([outs], [tensor]).wait()
+            work = pg.allgather([outs], [tensor])
         except RuntimeError as exc:
             raise self.failure(op, epoch, exc) from exc
-        return outs
+
+        def wait() -> list[torch.Tensor]:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self.failure(op, epoch, exc) from exc
+            return outs
+        return wait
 
     def topology(self, device_index: Optional[int] = None) -> Topology:
         """This group's Topology (host ids were all-gathered when the control plane was created)."""
@@ -158,24 +170,34 @@ class ControlPlane:
 
         ``error`` is this rank's own validation failure (re-raised here after the peers learnt of it).
         """
+        return self.agree_start(op, epoch, num_tokens, error)()
+
+    def agree_start(self, op: int, epoch: int, num_tokens: int, error: Optional[BaseException] = None):
+        """``agree`` in two halves: sends this rank's record now and returns ``wait() -> list[PeerStatus]``,
+        which waits for the peers' records and raises what ``agree`` raises.  Between the two the caller
+        may only do local work that it can drop (nothing a peer waits for): the round trip then
+        overlaps it instead of adding to it."""
         if self.broken:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
         self._record_arrival(op, epoch)
         mine = torch.tensor([op, epoch, 1 if error is not None else 0, num_tokens], dtype=torch.int64)
-        gathered = self._allgather(mine, op, epoch)  # a failure raises the typed error naming the peers
-        peers = [PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)]
+        gathered_wait = self._allgather_start(mine, op, epoch)
 
-        if any(p.status for p in peers):
-            self._raise_input_errors(peers, error)
-        off = [p for p in peers if (p.op, p.epoch) != (op, epoch)]
-        if off:
-            desc = ", ".join(f"rank {p.rank} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}" for p in off)
-            self.broken = "ranks disagreed on the call"
-            raise EPError(
-                f"rank {self.rank} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
-                "must call dispatch/combine in the same order"
-            )
-        return peers
+        def wait() -> list[PeerStatus]:
+            gathered = gathered_wait()  # a failure raises the typed error naming the peers
+            peers = [PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)]
+            if any(p.status for p in peers):
+                self._raise_input_errors(peers, error)
+            off = [p for p in peers if (p.op, p.epoch) != (op, epoch)]
+            if off:
+                desc = ", ".join(f"rank {p.rank} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}" for p in off)
+                self.broken = "ranks disagreed on the call"
+                raise EPError(
+                    f"rank {self.rank} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
+                    "must call dispatch/combine in the same order"
+                )
+            return peers
+        return wait
 
     # The control plane is also an ``Exchange`` (rank, size, allgather_bytes, barrier), so layers
     # below the communicator (e.g. the memory layer) can reuse it instead of opening another group.
