@@ -458,6 +458,14 @@ def _combine_partial_fused(flat: torch.Tensor, handle: GatherHandle, out: torch.
     why = fused_combine_unavailable()
     if why:
         raise EPError(f"the fused collective combine kernel cannot run: {why}")
+    # checked here too, not only by the op: on nvidia-h200-x2 the op's own refusal (TORCH_CHECK) of
+    # these arguments crashed the test process once under pytest (open: bench/NOTES.md)
+    if handle.dest.dtype != torch.int64 or handle.dest.dim() != 2:
+        raise EPError(f"collective combine kernel cannot run: dest must be int64 [rows, k], got "
+                      f"{handle.dest.dtype} {tuple(handle.dest.shape)}")
+    if out.shape[-1] != flat.shape[-1]:
+        raise EPError(f"collective combine kernel cannot run: out has width {out.shape[-1]}, expert_out "
+                      f"{flat.shape[-1]}")
     try:
         torch.ops.ep_comm.collective_combine_partial(flat, handle.dest, handle.local_weights, out)
     except RuntimeError as exc:  # a launch failure or a shape the op refuses: typed, with the cause

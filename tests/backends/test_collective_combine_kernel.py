@@ -133,9 +133,9 @@ def test_no_rows():
 def test_bad_arguments_raise_a_typed_error():
     eo, handle, _ = _case(8, 4, 64, 64, 0.5, torch.bfloat16, 2)
     bad = GatherHandle(handle.rows, handle.row_valid, handle.dest.int(), handle.local_weights)
-    with pytest.raises(ep_comm.EPError, match="collective combine kernel failed"):
+    with pytest.raises(ep_comm.EPError, match="collective combine kernel cannot run: dest must be int64"):
         combine_partial(eo, bad, torch.empty(8, 64, device="cuda"), fused=True)
-    with pytest.raises(ep_comm.EPError, match="collective combine kernel failed"):
+    with pytest.raises(ep_comm.EPError, match="collective combine kernel cannot run: out has width 63"):
         combine_partial(eo, handle, torch.empty(8, 63, device="cuda"), fused=True)
 
 
