@@ -168,6 +168,7 @@ void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, cons
   p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
   p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);
   p.out = out.data_ptr();
+  p.grouped = cfg[kCfgCombineGrouped] != 0;
   EP_CUDA_CHECK(mnnvl::launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
 }

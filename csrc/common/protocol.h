@@ -80,8 +80,15 @@ enum : int {
   kCfgCountsOffset0,
   kCfgCountsOffset1,
   kCfgTracePtr,      // device uint64 [2 ops][num_blocks][kTraceSlots] of globaltimer stamps, or 0 (off)
+  kCfgGroupFlagsOffset,  // [2][world][max_groups] u64: per group of kGroupTokens tokens (combine, prefill)
+  kCfgCombineGrouped,    // 1: combine signals and sums per group (kernel_protocol.py decides when)
   kCfgLen
 };
+
+// Prefill-sized combines signal per group of kGroupTokens tokens, so the owner sums a group as soon
+// as every peer's partials of it have landed instead of after every peer's whole send.
+constexpr int kGroupTokens = 32;
+EP_HD int max_groups(int max_tokens) { return (max_tokens + kGroupTokens - 1) / kGroupTokens; }
 
 // Phase stamps (EP_COMM_TRACE=1, bench/kernel_trace.py): thread 0 of every block writes the
 // globaltimer when its block reaches each point.  Per-source stamps exist for the first

@@ -34,6 +34,8 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.timeout_ns = static_cast<uint64_t>(cfg[kCfgTimeoutNs]);
   l.pending = reinterpret_cast<int32_t*>(static_cast<uintptr_t>(cfg[kCfgPendingPtr]));
   l.trace = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(cfg[kCfgTracePtr]));
+  l.group_flags_offset = cfg[kCfgGroupFlagsOffset];
+  l.max_groups = max_groups(l.max_tokens);
   return l;
 }
 
@@ -478,6 +480,129 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
   }
 }
 
+// Piece ``chunk`` of the partial of row (src, t) that this rank computes, into src's combine region
+// (one warp).  Padding rows are never read.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void send_partial_piece(const CombineParams& p, const Tin* eo, int src, int t, int chunk,
+                                                   int parity, const Tin** src_rows, float* w, int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, src_rows, w, lane);
+  if (n == 0) return;
+  Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
+                                      (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
+  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+}
+
+// Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_output_piece(const CombineParams& p, const Tin* eo, const uint8_t* region, int t,
+                                                 int chunk, const Tin** src_rows, float* w, const Tout** parts,
+                                                 int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int d = lane < L.top_k ? p.dest[static_cast<int64_t>(t) * L.top_k + lane] : -1;
+  const bool remote = d >= 0 && d != L.rank;
+  const unsigned remote_mask = __ballot_sync(kFull, remote);
+  const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
+  if (remote) {
+    parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
+        region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
+  }
+  __syncwarp();
+  const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t, src_rows,
+                                                  w, lane)
+                        : 0;
+  sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
+                      lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+}
+
+__device__ __forceinline__ uint64_t* group_flag(const Common& c, int owner, int parity, int src, int g) {
+  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.group_flags_offset) +
+         (static_cast<int64_t>(parity) * c.lay.world + src) * c.lay.max_groups + g;
+}
+
+// Wait for a peer's group flag; every few hundred polls also look at its call flag, where an abort or
+// a later call shows up (group flags only ever carry combine codes).  Returns false after recording why.
+__device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int src, int g, uint32_t code,
+                                                uint64_t deadline, const ErrorSink& err) {
+  const uint64_t* gf = group_flag(c, c.lay.rank, parity, src, g);
+  const uint64_t* main = flag_slot(c, c.lay.rank, parity, src);
+  uint32_t spins = 0;
+  while (static_cast<uint32_t>(ld_acquire_sys(gf)) != code) {
+    if ((++spins & 255u) != 0) continue;
+    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
+    if (other != 0 && other != code &&
+        ((code_seq(other) == code_seq(code) && code_op(other) != kOpCombine) || code_ahead(other, code))) {
+      err.peer(src, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
+      return false;
+    }
+    if (global_timer_ns() > deadline) {
+      err.peer(src, kReasonTimeout, static_cast<uint32_t>(ld_acquire_sys(gf)), code);
+      err.count(kStatusTimeouts, 1);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Grouped combine (prefill sizes): each block alternates between sending the partials of one group
+// of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
+// tokens whose partials have all been flagged, so the sums run while the link is still busy instead
+// of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
+// (world - 1) groups, the pace at which the peers' matching groups arrive.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
+                                                uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                                float* w, const Tout** parts, int lane, int warp) {
+  const Layout& L = p.c.lay;
+  const int peers = L.world - 1;
+  const int groups = L.max_groups;
+  const int send_units = peers * groups;
+  const int own_groups = (p.num_tokens + kGroupTokens - 1) / kGroupTokens;
+  const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
+  __shared__ int s_ok;
+  int next_sum = blockIdx.x;  // own groups b, b + grid, ...
+  int sent = 0;               // send units this block finished
+  auto sum_group = [&](int g) {
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      for (int i = 1; i < L.world; ++i) ok = wait_group_flag(p.c, parity, (L.rank + i) % L.world, g, code, deadline, err) && ok;
+      s_ok = ok;
+    }
+    __syncthreads();
+    const int t0 = g * kGroupTokens;
+    const int rows = min(kGroupTokens, p.num_tokens - t0);
+    // after a failed wait the call's result is void (the error record says why): skip the reads
+    for (int item = warp; s_ok && item < rows * p.chunks; item += kWarps)
+      sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
+    __syncthreads();
+  };
+  for (int u = blockIdx.x; u < send_units; u += gridDim.x) {
+    const int src = (L.rank + 1 + u % peers) % L.world;
+    const int t0 = (u / peers) * kGroupTokens;
+    const int rows = min(kGroupTokens, L.max_tokens - t0);
+    for (int item = warp; item < rows * p.chunks; item += kWarps)
+      send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // the block's partials land before the group's flag
+      st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
+    }
+    ++sent;
+    // sum own groups whose partials should have arrived by now (peers send in the same order)
+    while (next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
+      sum_group(next_sum);
+      next_sum += gridDim.x;
+    }
+  }
+  for (; next_sum < own_groups; next_sum += gridDim.x) sum_group(next_sum);
+}
+
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
@@ -485,9 +610,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const int warp = threadIdx.x >> 5;
   const int gwarp = blockIdx.x * kWarps + warp;
   const int nwarps = gridDim.x * kWarps;
-  const int k = L.top_k;
-  const int H = L.hidden;
-  const bool vec = H % 8 == 0;  // rows are 16-byte aligned only then; else element by element
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
   const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
@@ -500,22 +622,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
+  if (p.grouped && L.world > 1) {
+    combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+    stamp(L, kTraceCombine, kTrSent, true);
+    // the call flag still goes out (peers on another call see it), but nothing here waits for it
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last) {
+      signal_all(p.c, parity, code);
+      stamp(L, kTraceCombine, kTrSignalled);
+      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    }
+    stamp(L, kTraceCombine, kTrEnd, true);
+    return;
+  }
+
   // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
   // the partials of this rank's own tokens are summed straight from expert_out when receiving
   const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
   for (int64_t item = gwarp; item < peer_items; item += nwarps) {
     const int64_t q = item / p.chunks;
-    const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
-    const int hi = min(H, lo + p.chunk_elems);
     const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
-    const int t = static_cast<int>(q % L.max_tokens);
-    const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, s_src[warp], s_w[warp],
-                                          lane);
-    if (n == 0) continue;
-    Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
-                                        (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
-    sum_rows<Tin, Tout>(s_src[warp], s_w[warp], n, nullptr, 0, dst, lo, hi, vec, lane);
-    __syncwarp();
+    send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),
+                                  parity, s_src[warp], s_w[warp], lane);
   }
 
   stamp(L, kTraceCombine, kTrSent, true);
@@ -541,27 +669,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __syncthreads();
   stamp(L, kTraceCombine, kTrSource0);
   const uint8_t* region = own + L.combine_offset[parity];
-  Tout* out = static_cast<Tout*>(p.out);
-  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps) {
-    const int t = static_cast<int>(item / p.chunks);
-    const int lo = static_cast<int>(item % p.chunks) * p.chunk_elems;
-    const int hi = min(H, lo + p.chunk_elems);
-    const int d = lane < k ? p.dest[static_cast<int64_t>(t) * k + lane] : -1;
-    const bool remote = d >= 0 && d != L.rank;
-    const unsigned remote_mask = __ballot_sync(kFull, remote);
-    const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
-    if (remote) {
-      s_part[warp][__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
-          region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
-    }
-    __syncwarp();
-    const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t,
-                                                    s_src[warp], s_w[warp], lane)
-                          : 0;
-    sum_rows<Tin, Tout>(s_src[warp], s_w[warp], n, s_part[warp], __popc(remote_mask),
-                        out + static_cast<int64_t>(t) * H, lo, hi, vec, lane);
-    __syncwarp();
-  }
+  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+    sum_output_piece<Tin, Tout>(p, eo, region, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+                                s_src[warp], s_w[warp], s_part[warp], lane);
   stamp(L, kTraceCombine, kTrEnd, true);
 }
 

@@ -3,6 +3,8 @@
 // Every rank's symmetric buffer holds, per parity p = seq & 1 (seq = this communicator's call
 // number, advanced on the device so CUDA-graph replays advance it too):
 //   flags    [2][world] u64      flag of (parity, source rank): code(seq, op) | T << 32
+//   group flags [2][world][max_groups] u64: grouped combine, flag of (parity, source, group of
+//                                 kGroupTokens tokens): code(seq, combine) once source's partials of the group landed
 //   dispatch [world][max_tokens] rows of row_stride bytes: RowHeader | local ids[k] | weights[k] |
 //                                 slot indices[k] | payload | scales; source s writes token t at [s][t]
 //   counts   [world][num_local] int32: how many rows source s sent for each local expert (the
@@ -30,6 +32,8 @@ struct Layout {
   int rank, world, max_tokens, num_experts, num_local, top_k, hidden, batched;
   int64_t row_stride, payload_offset, scale_offset, payload_max, scale_max;
   int64_t flags_offset, dispatch_offset[2], combine_offset[2], counts_offset[2], combine_stride;
+  int64_t group_flags_offset;
+  int max_groups;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped
   uint64_t* trace;   // phase stamps or null (protocol.h, kCfgTracePtr)
@@ -79,6 +83,7 @@ struct CombineParams {
   int num_tokens;
   int chunks;          // pieces each row is split into (latency of small batches)
   int chunk_elems;     // elements per piece (a multiple of 256 unless chunks == 1)
+  bool grouped;        // signal and sum per group of kGroupTokens tokens (prefill sizes)
   void* out;  // [T, hidden] of the transport dtype
 };
 

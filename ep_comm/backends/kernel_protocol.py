@@ -6,6 +6,7 @@ whose config length differs from ``CFG_LEN``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -16,7 +17,14 @@ from ..config import EPConfig
 (RANK, WORLD, MAX_TOKENS, NUM_EXPERTS, NUM_LOCAL, TOP_K, HIDDEN, BATCHED, NUM_BLOCKS, ROW_STRIDE,
  PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
  COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
- OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, CFG_LEN) = range(30)
+ OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, GROUP_FLAGS_OFFSET, COMBINE_GROUPED,
+ CFG_LEN) = range(32)
+
+# prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
+# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED=1/0 forces it
+# on/off for either layout (tests).  Batched combines measured slower grouped (bench/NOTES.md).
+GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
+COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 
 # phase stamps (EP_COMM_TRACE=1): uint64 [2 ops][num_blocks][TRACE_SLOTS] globaltimer values
 TRACE_DISPATCH, TRACE_COMBINE, TRACE_SLOTS, TRACE_SOURCES = 0, 1, 24, 8
@@ -76,6 +84,8 @@ class BufferLayout:
     row_stride: int
     combine_stride: int
     flags_offset: int
+    group_flags_offset: int
+    max_groups: int
     dispatch_offset: tuple[int, int]
     combine_offset: tuple[int, int]
     counts_offset: tuple[int, int]
@@ -94,17 +104,19 @@ class BufferLayout:
         row_stride = meta + _align(payload_max) + scale_max
         combine_stride = _align(hidden * cfg.dtype.itemsize)
         flags = _align(2 * world * 8, 256)
+        max_groups = -(-max_t // GROUP_TOKENS)
+        group_flags = _align(2 * world * max_groups * 8, 256)
         counts = _align(world * (cfg.num_experts // world) * 4, 256)
         dispatch = world * max_t * row_stride
         combine = world * max_t * combine_stride
-        n0 = flags
+        n0 = flags + group_flags
         n1 = n0 + counts
         d0 = n1 + counts
         c0 = d0 + dispatch
         d1 = c0 + combine
         c1 = d1 + dispatch
-        return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, (d0, d1),
-                   (c0, c1), (n0, n1), c1 + combine)
+        return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, flags, max_groups,
+                   (d0, d1), (c0, c1), (n0, n1), c1 + combine)
 
     def work_numel(self, num_local: int) -> int:
         """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
@@ -124,6 +136,10 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[COMBINE_OFFSET0], v[COMBINE_OFFSET1] = layout.combine_offset
     v[COMBINE_STRIDE] = layout.combine_stride
     v[COUNTS_OFFSET0], v[COUNTS_OFFSET1] = layout.counts_offset
+    v[GROUP_FLAGS_OFFSET] = layout.group_flags_offset
+    forced = os.environ.get(COMBINE_GROUPED_ENV)
+    by_size = cfg.layout == "standard" and cfg.max_tokens_per_rank >= GROUPED_MIN_TOKENS
+    v[COMBINE_GROUPED] = int(world > 1 and (forced == "1" or (forced != "0" and by_size)))
     v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[PENDING_PTR] = pending_ptr
     v[COUNT_INVALID] = int(not cfg.validate_ids)

@@ -37,13 +37,26 @@ def test_config_indices_match_the_header():
              for n in ("RANK", "WORLD", "MAX_TOKENS", "NUM_EXPERTS", "NUM_LOCAL", "TOP_K", "HIDDEN", "BATCHED",
                        "NUM_BLOCKS", "ROW_STRIDE", "PAYLOAD_OFFSET", "SCALE_OFFSET", "PAYLOAD_MAX", "SCALE_MAX",
                        "FLAGS_OFFSET", "TIMEOUT_NS", "PENDING_PTR", "COUNT_INVALID", "QUANT_FP8", "OUT_DTYPE",
-                       "THREADS", "COMBINE_STRIDE", "TRACE_PTR")}
+                       "THREADS", "COMBINE_STRIDE", "TRACE_PTR", "GROUP_FLAGS_OFFSET", "COMBINE_GROUPED")}
     names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
     names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
     names["kCfgCountsOffset0"], names["kCfgCountsOffset1"] = kp.COUNTS_OFFSET0, kp.COUNTS_OFFSET1
     names["kCfgLen"] = kp.CFG_LEN
     names["kCfgTopK"] = kp.TOP_K
     assert {n: cfg[n] for n in names} == names
+
+
+def test_group_constants_match_the_header():
+    text = HEADER.read_text()
+    assert int(re.search(r"kGroupTokens\s*=\s*(\d+)", text).group(1)) == kp.GROUP_TOKENS
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=kp.GROUPED_MIN_TOKENS)
+    lay = kp.BufferLayout.for_config(cfg, 2)
+    assert kp.config_vector(cfg, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 1
+    assert kp.config_vector(cfg, 0, 1, lay, 24, 0)[kp.COMBINE_GROUPED] == 0  # no peers, nothing to group
+    small = cfg.replace(max_tokens_per_rank=kp.GROUPED_MIN_TOKENS - 1)
+    assert kp.config_vector(small, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 0
+    batched = cfg.replace(layout="batched")  # measured slower grouped: by size, standard only
+    assert kp.config_vector(batched, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 0
 
 
 def test_trace_layout_matches_the_header():
@@ -80,7 +93,8 @@ def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype):
     cfg = ep_comm.EPConfig(num_experts=12 * world, top_k=6, hidden=7168, max_tokens_per_rank=37, dtype=dtype,
                            layout=layout)
     lay = kp.BufferLayout.for_config(cfg, world)
-    spans = [(lay.flags_offset, 2 * world * 8)]
+    spans = [(lay.flags_offset, 2 * world * 8), (lay.group_flags_offset, 2 * world * lay.max_groups * 8)]
+    assert lay.max_groups == -(-37 // kp.GROUP_TOKENS)
     for p in (0, 1):
         spans.append((lay.counts_offset[p], world * 12 * 4))
         spans.append((lay.dispatch_offset[p], world * 37 * lay.row_stride))

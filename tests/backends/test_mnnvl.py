@@ -5,6 +5,7 @@ bootstrap over gloo (correct, not fast: the two processes' kernels time-slice). 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import ep_comm
 from ep_comm import oracle
+from ep_comm.backends import kernel_protocol as kp
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from . import cases
@@ -57,6 +59,67 @@ GRAPH = [f"mnnvl/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp
 @pytest.mark.parametrize("case", GRAPH)
 def test_cuda_graph_capture_and_replay(case):
     results = _run("graph", cases.graph_capture, ("mnnvl",))
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+# -- grouped combine (prefill sizes: per-group flags, sums while the link is busy) ---------------------------
+def grouped_worker() -> dict:
+    """The grouped combine forced on at 96 tokens (3 groups, uneven T, zero T, -1/duplicates, skew, two
+    rounds per communicator), then as chosen by size at GROUPED_MIN_TOKENS tokens (standard layout only)."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    out: dict = {}
+    seed = 900
+    os.environ[kp.COMBINE_GROUPED_ENV] = "1"
+    try:
+        for layout in ("standard", "batched"):
+            for payload in ("bf16+scales", "fp8"):
+                cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=96)
+                with ep_comm.Communicator(cfg, device=device) as comm:
+                    if comm._impl.cfg_vec[kp.COMBINE_GROUPED] != 1:
+                        out[f"forced/{layout}/{payload}"] = ["grouped combine not switched on"]
+                        continue
+                    for _ in range(2):
+                        for name, spec in cases.scenarios(world, cfg.max_tokens_per_rank).items():
+                            seed += 1
+                            key = f"forced/{layout}/{payload}/{name}"
+                            out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec)
+    finally:
+        del os.environ[kp.COMBINE_GROUPED_ENV]
+    for layout in ("standard", "batched"):
+        cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=kp.GROUPED_MIN_TOKENS)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            want = int(layout == "standard")
+            problems = [] if comm._impl.cfg_vec[kp.COMBINE_GROUPED] == want else [f"grouped combine chosen: "
+                                                                                   f"{comm._impl.cfg_vec[kp.COMBINE_GROUPED]}"]
+            spec = dict(tokens=[kp.GROUPED_MIN_TOKENS - 7 * r for r in range(world)])
+            out[f"by_size/{layout}"] = problems + cases.run_case(comm, cfg, world, rank, 990, "bf16+scales", spec)
+    return out
+
+
+def grouped_graph_worker() -> dict:
+    os.environ[kp.COMBINE_GROUPED_ENV] = "1"
+    try:
+        return cases.graph_capture(("mnnvl",))
+    finally:
+        del os.environ[kp.COMBINE_GROUPED_ENV]
+
+
+GROUPED = [f"forced/{l}/{p}/{s}" for l in ("standard", "batched") for p in ("bf16+scales", "fp8")
+           for s in cases.scenarios(2, 96)] + ["by_size/standard", "by_size/batched"]
+
+
+@pytest.mark.parametrize("case", GROUPED)
+def test_grouped_combine_matches_oracle(case):
+    results = _run("grouped", grouped_worker)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_grouped_combine_under_cuda_graphs(case):
+    results = _run("grouped_graph", grouped_graph_worker)
     assert case in results
     assert results[case] == [], "\n".join(results[case])
 
