@@ -1,11 +1,13 @@
-"""Where the host time of one eager dispatch / combine of the collective backends goes.
+"""Where the host time of one eager dispatch / combine goes (collective and kernel backends).
 
     python3 bench/eager_breakdown.py --nproc 2 --tokens 128            # GPU: one rank per GPU
+    python3 bench/eager_breakdown.py --nproc 2 --backend mnnvl --validate-ids off
     CUDA_VISIBLE_DEVICES= python3 bench/eager_breakdown.py --nproc 2 --hidden 512 --experts 32 --topk 4
 
 Every rank wraps the pieces an eager call goes through (input checks, the id range check and its
 device sync, the control plane's host agreement, the routing guard, packing, the collectives, the
-layout selection, the combine partial sums) with host timers, runs ``--iters`` dispatch+combine
+layout selection, the combine partial sums; for a kernel backend the error poll, the id check and
+the op call itself) with host timers, runs ``--iters`` dispatch+combine
 pairs lined up like ``ep-comm bench --mode eager``, and prints the mean host µs per call of each
 piece (slowest rank) next to the end-to-end op time.  On GPUs the pieces' host time is launch and
 sync cost (kernels run asynchronously); the end-to-end time includes the device work.  It also
@@ -38,6 +40,12 @@ PIECES_MODULE = {  # module attribute -> label
     (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
     (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",
 }
+
+
+# backend methods -> labels, for the collective backends and for the kernel backends (mnnvl)
+BACKEND_PIECES = {"gather": "dispatch collective", "reduce": "combine collective"}
+KERNEL_PIECES = {"poll_errors": "error poll", "check_ids": "id check (device sync)",
+                 "dispatch": "op call: dispatch (+ outputs)", "combine": "op call: combine"}
 
 
 def _wrap(acc: dict, label: str, fn, sync: bool):
@@ -85,7 +93,7 @@ def rank_main(args: argparse.Namespace) -> dict:
     cuda = env.device.type == "cuda"
     cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
                            max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, layout=args.layout,
-                           backend=args.backend)
+                           backend=args.backend, validate_ids=args.validate_ids == "on")
     comm = ep_comm.Communicator(cfg)
     inputs = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)
     inp = inputs[env.rank].to(env.device)
@@ -145,9 +153,9 @@ def rank_main(args: argparse.Namespace) -> dict:
             comm.control.agree_start = agree_start
         else:  # a tree from before the split agreement
             comm.control.agree = _wrap(acc, "host agreement (gloo)", comm.control.agree, cuda and args.sync)
-        for obj, name, label in ((comm._impl, "gather", "dispatch collective"),
-                                 (comm._impl, "reduce", "combine collective")):
-            setattr(obj, name, _wrap(acc, label, getattr(obj, name), cuda and args.sync))
+        for name, label in (KERNEL_PIECES if getattr(comm._impl, "kernel", False) else BACKEND_PIECES).items():
+            if hasattr(comm._impl, name):
+                setattr(comm._impl, name, _wrap(acc, label, getattr(comm._impl, name), cuda and args.sync))
         for _ in range(args.iters):
             host_barrier(env)
             pair()
@@ -172,6 +180,8 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--backend", default="ag_rs")
     p.add_argument("--layout", default="standard")
+    p.add_argument("--validate-ids", choices=("on", "off"), default="on",
+                   help="EPConfig.validate_ids (kernel backends: off removes the id check's sync)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-overlap", action="store_true",

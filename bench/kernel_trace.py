@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ep_comm  # noqa: E402
-from ep_comm import oracle, validation  # noqa: E402
+from ep_comm import oracle  # noqa: E402
 from ep_comm.backends import kernel_protocol as kp  # noqa: E402
 from ep_comm.backends.mnnvl import TRACE_ENV  # noqa: E402
 from ep_comm.cli.launcher import _SPAWNED_ENV, align_devices, gather_objects, host_barrier, setup_rank  # noqa: E402
@@ -106,52 +105,6 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     return {op: _median(r) for op, r in rows.items()}
 
 
-def _host_us(fn, iters: int) -> float:
-    """Median host µs of ``fn()``: the Python and launch cost of an eager call (nothing synchronises,
-    the GPU runs behind; every rank makes the same calls, so the kernels stay in step)."""
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2] * 1e6
-
-
-def _eager_host(env, args, layout: str, tokens: int) -> dict[str, float]:
-    """Host µs of the pieces of an eager dispatch / combine (validate_ids off: no sync in the call)."""
-    cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
-                           max_tokens_per_rank=tokens, dtype=torch.bfloat16, layout=layout, backend="mnnvl",
-                           quant=args.quant, num_sms=args.num_sms, validate_ids=False)
-    comm = ep_comm.Communicator(cfg)
-    be = comm._impl
-    inp = oracle.random_inputs(cfg, env.world_size, seed=7, tokens=[tokens] * env.world_size)[env.rank].to(env.device)
-    x, ids, w = inp.x, inp.topk_ids, inp.topk_weights
-    d = comm.dispatch(x, ids, w)
-    eo = torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
-    out = torch.empty((tokens, cfg.hidden), dtype=cfg.dtype, device=env.device)
-    comm.combine(eo, d, out=out)
-    host_barrier(env)
-    n = args.iters * 2
-    res = {
-        "validate_dispatch": _host_us(lambda: validation.validate_dispatch(cfg, env.device, x, ids, w, None), n),
-        "validate_combine": _host_us(lambda: validation.validate_combine(cfg, env.device, eo, d, out), n),
-        "is_capturing": _host_us(torch.cuda.is_current_stream_capturing, n),
-        "poll_errors": _host_us(be.poll_errors, n),
-    }
-    host_barrier(env)
-    res["backend.dispatch (op + Dispatched)"] = _host_us(lambda: be.dispatch(x, ids, w, None, 0), n)
-    host_barrier(env)
-    res["backend.combine (op)"] = _host_us(lambda: be.combine(eo, d, out), n)
-    host_barrier(env)
-    res["Communicator.dispatch"] = _host_us(lambda: comm.dispatch(x, ids, w), n)
-    host_barrier(env)
-    res["Communicator.combine"] = _host_us(lambda: comm.combine(eo, d, out=out), n)
-    comm.check_errors()
-    comm.close()
-    return res
-
-
 def rank_main(args: argparse.Namespace) -> dict:
     os.environ[TRACE_ENV] = "1"
     env = setup_rank(300.0)
@@ -159,8 +112,6 @@ def rank_main(args: argparse.Namespace) -> dict:
     for layout in args.layout:
         for tokens in args.tokens:
             results[(layout, tokens)] = _one_shape(env, args, layout, tokens)
-    if args.eager_host:
-        results["eager host"] = _eager_host(env, args, args.layout[0], args.tokens[0])
     everyone = gather_objects(env, results)
     dist.destroy_process_group()
     return {"ranks": everyone} if env.rank == 0 else {}
@@ -178,14 +129,9 @@ def main() -> None:
     p.add_argument("--num-sms", type=int, default=None)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--eager-host", action="store_true",
-                   help="also time the host side of eager calls, piece by piece (first layout and token count)")
     args = p.parse_args()
     res = raise_on_failure(spawn_local(rank_main, args.nproc, (args,), timeout_s=600,
                                      extra_env=lambda r: {_SPAWNED_ENV: str(args.nproc)}))[0]["ranks"]
-    host = res[0].pop("eager host", None)
-    for per_rank in res[1:]:
-        per_rank.pop("eager host", None)
     for (layout, tokens) in res[0]:
         for op in ("dispatch", "combine"):
             print(f"{op} {layout} {tokens} tok (µs from the kernel's first block start, median of {args.iters}, "
@@ -196,10 +142,6 @@ def main() -> None:
                 vals = per_rank[(layout, tokens)][op]
                 print("  " + " | ".join([f"{r:>10d}"] + [f"{vals.get(k, float('nan')):10.1f}" for k in keys]))
 
-    if host:
-        print(f"eager host time, rank 0, {args.layout[0]} {args.tokens[0]} tok, validate_ids off (median µs per call)")
-        for name, us in host.items():
-            print(f"  {name:40s} {us:8.1f}")
 
 
 if __name__ == "__main__":
