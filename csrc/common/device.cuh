@@ -142,88 +142,90 @@ __device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool
 }
 
 // ---- vectorised element access ----------------------------------------------------------------
+// Two 16-bit elements as one 32-bit word, and their conversions to and from a float pair.
 template <typename T>
-struct Vec8;  // 8 elements of T, loaded and stored as floats
-
+struct Pair;
 template <>
-struct Vec8<__nv_bfloat16> {
-  __device__ static void load(const __nv_bfloat16* p, float* f) {
-    const int4 raw = *reinterpret_cast<const int4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ static float2 to_float2(type v) { return __bfloat1622float2(v); }
+  __device__ static type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Pair<__half> {
+  using type = __half2;
+  __device__ static float2 to_float2(type v) { return __half22float2(v); }
+  __device__ static type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+// 8 consecutive elements of T as stored (16 bytes of bf16/fp16, 32 of fp32): loaded raw, so that many
+// loads can be in flight per lane (4 registers each instead of 8 floats), converted when used.
+template <typename T>
+struct Pack8 {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
+  int4 w[kWords];
+
+  __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __bfloat1622float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
+    for (int i = 0; i < kWords; ++i) w[i] = reinterpret_cast<const int4*>(p)[i];
+  }
+  __device__ __forceinline__ void load_cg(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = ld_cg(reinterpret_cast<const int4*>(p) + i);
+  }
+  __device__ __forceinline__ void store(T* p) const {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) reinterpret_cast<int4*>(p)[i] = w[i];
+  }
+  __device__ __forceinline__ void unpack(float* f) const {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = reinterpret_cast<const float*>(w)[e];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = Pair<T>::to_float2(reinterpret_cast<const typename Pair<T>::type*>(w)[i]);
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+      }
     }
   }
-  __device__ static void load_cg(const __nv_bfloat16* p, float* f) {
-    const int4 raw = ld_cg(reinterpret_cast<const int4*>(p));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  __device__ __forceinline__ void pack(const float* f) {  // round to nearest
+    if constexpr (sizeof(T) == 4) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __bfloat1622float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
+      for (int e = 0; e < 8; ++e) reinterpret_cast<float*>(w)[e] = f[e];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        reinterpret_cast<typename Pair<T>::type*>(w)[i] = Pair<T>::from_floats(f[2 * i], f[2 * i + 1]);
     }
   }
-  __device__ static void store(__nv_bfloat16* p, const float* f) {
-    int4 raw;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+  // acc[e] += scale * element e
+  __device__ __forceinline__ void fma_into(float scale, float* acc) const {
+    float f[8];
+    unpack(f);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<int4*>(p) = raw;
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(scale, f[e], acc[e]);
   }
 };
 
-template <>
-struct Vec8<__half> {
-  __device__ static void load(const __half* p, float* f) {
-    const int4 raw = *reinterpret_cast<const int4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __half22float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
+// 8 elements of T (16-byte aligned), loaded and stored as floats
+template <typename T>
+struct Vec8 {
+  __device__ static void load(const T* p, float* f) {
+    Pack8<T> v;
+    v.load(p);
+    v.unpack(f);
   }
-  __device__ static void load_cg(const __half* p, float* f) {
-    const int4 raw = ld_cg(reinterpret_cast<const int4*>(p));
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __half22float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
+  __device__ static void load_cg(const T* p, float* f) {
+    Pack8<T> v;
+    v.load_cg(p);
+    v.unpack(f);
   }
-  __device__ static void store(__half* p, const float* f) {
-    int4 raw;
-    __half2* h = reinterpret_cast<__half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<int4*>(p) = raw;
-  }
-};
-
-template <>
-struct Vec8<float> {
-  __device__ static void load(const float* p, float* f) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-  }
-  __device__ static void load_cg(const float* p, float* f) {
-    const int4 a = ld_cg(reinterpret_cast<const int4*>(p));
-    const int4 b = ld_cg(reinterpret_cast<const int4*>(p) + 1);
-    f[0] = __int_as_float(a.x); f[1] = __int_as_float(a.y); f[2] = __int_as_float(a.z); f[3] = __int_as_float(a.w);
-    f[4] = __int_as_float(b.x); f[5] = __int_as_float(b.y); f[6] = __int_as_float(b.z); f[7] = __int_as_float(b.w);
-  }
-  __device__ static void store(float* p, const float* f) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  __device__ static void store(T* p, const float* f) {
+    Pack8<T> v;
+    v.pack(f);
+    v.store(p);
   }
 };
 
@@ -240,40 +242,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
-// 8 consecutive elements of T as stored (16 bytes of bf16/fp16, 32 of fp32): loaded raw so that many
-// loads can be in flight per lane (4 registers each instead of 8 floats), converted when summed.
-template <typename T>
-struct Pack8 {
-  static constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
-  int4 w[kWords];
-
-  __device__ __forceinline__ void load(const T* p) {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = reinterpret_cast<const int4*>(p)[i];
-  }
-  __device__ __forceinline__ void load_cg(const T* p) {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = ld_cg(reinterpret_cast<const int4*>(p) + i);
-  }
-  // acc[e] += scale * element e
-  __device__ __forceinline__ void fma_into(float scale, float* acc) const {
-    if constexpr (sizeof(T) == 4) {
-      const float* f = reinterpret_cast<const float*>(w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = fmaf(scale, f[e], acc[e]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float2 v;
-        if constexpr (std::is_same<T, __half>::value) v = __half22float2(reinterpret_cast<const __half2*>(w)[i]);
-        else v = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(w)[i]);
-        acc[2 * i] = fmaf(scale, v.x, acc[2 * i]);
-        acc[2 * i + 1] = fmaf(scale, v.y, acc[2 * i + 1]);
-      }
-    }
-  }
-};
 
 // ---- row copies (one warp) ----------------------------------------------------------------------
 // Copy ``bytes`` from ``src`` to each of ``nd`` destinations: every source chunk is loaded once and
