@@ -47,10 +47,10 @@ def init_rank():
 
 
 def make_cfg(world: int, backend: str, layout: str, quant: Optional[str], max_tokens: int = 16, **kw) -> ep_comm.EPConfig:
-    return ep_comm.EPConfig(
-        num_experts=EXPERTS_PER_RANK * world, top_k=4, hidden=HIDDEN, max_tokens_per_rank=max_tokens,
-        dtype=torch.bfloat16, layout=layout, backend=backend, quant=quant, timeout_s=kw.pop("timeout_s", 60.0), **kw,
-    )
+    """The tests' small shape; any EPConfig field can be overridden through ``kw``."""
+    fields = dict(num_experts=EXPERTS_PER_RANK * world, top_k=4, hidden=HIDDEN, dtype=torch.bfloat16, timeout_s=60.0)
+    fields.update(kw)
+    return ep_comm.EPConfig(max_tokens_per_rank=max_tokens, layout=layout, backend=backend, quant=quant, **fields)
 
 
 def scenarios(world: int, max_tokens: int) -> dict[str, dict]:
@@ -121,12 +121,15 @@ def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
     return (torch.tanh(xf) * scale + shift).to(cfg.dtype)
 
 
-def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3) -> dict:
+def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3,
+                  seed: int = 100, **cfg_kw) -> dict:
+    """Capture dispatch + combine once, replay with fresh inputs (seeds ``seed``, ``seed + 1``, ...),
+    compare with the oracle, then an out-of-range id during a replay.  ``cfg_kw``: make_cfg overrides."""
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
     for backend, layout, quant in itertools.product(backends, layouts, (None, "fp8")):
-        cfg = make_cfg(world, backend, layout, quant)
+        cfg = make_cfg(world, backend, layout, quant, **cfg_kw)
         key = f"{backend}/{layout}/{quant or 'bf16'}"
         problems: list[str] = []
         tokens = [cfg.max_tokens_per_rank - r for r in range(world)]  # fixed T per rank, differing
@@ -142,7 +145,7 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
                 d_s = comm.dispatch(x_s, ids_s, w_s)
                 y_s = comm.combine(graph_experts(cfg, rank, world, d_s), d_s)
             for rep in range(replays):
-                inputs = oracle.random_inputs(cfg, world, 100 + rep, tokens=tokens, p_minus_one=0.1, p_duplicate=0.2)
+                inputs = oracle.random_inputs(cfg, world, seed + rep, tokens=tokens, p_minus_one=0.1, p_duplicate=0.2)
                 mine = inputs[rank].to(comm.device)
                 x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
                 graph.replay()
