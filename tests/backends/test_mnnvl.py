@@ -43,14 +43,19 @@ def _run(name, fn, *args):
     return _cache[name]
 
 
+def _assert_clean(case, name, fn, *args):
+    """``case`` is among the cases ``fn`` ran (on every rank, once per module) and had no problems."""
+    results = _run(name, fn, *args)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
 MATRIX = [f"mnnvl/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
 
 
 @pytest.mark.parametrize("case", MATRIX)
 def test_matches_oracle(case):
-    results = _run("matrix", cases.backend_matrix, ("mnnvl",), ("standard", "batched"), 2)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+    _assert_clean(case, "matrix", cases.backend_matrix, ("mnnvl",), ("standard", "batched"), 2)
 
 
 GRAPH = [f"mnnvl/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp8")]
@@ -58,9 +63,7 @@ GRAPH = [f"mnnvl/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp
 
 @pytest.mark.parametrize("case", GRAPH)
 def test_cuda_graph_capture_and_replay(case):
-    results = _run("graph", cases.graph_capture, ("mnnvl",))
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+    _assert_clean(case, "graph", cases.graph_capture, ("mnnvl",))
 
 
 # -- grouped combine (prefill sizes: per-group flags, sums while the link is busy) ---------------------------
@@ -112,16 +115,12 @@ GROUPED = [f"forced/{l}/{p}/{s}" for l in ("standard", "batched") for p in ("bf1
 
 @pytest.mark.parametrize("case", GROUPED)
 def test_grouped_combine_matches_oracle(case):
-    results = _run("grouped", grouped_worker)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+    _assert_clean(case, "grouped", grouped_worker)
 
 
 @pytest.mark.parametrize("case", GRAPH)
 def test_grouped_combine_under_cuda_graphs(case):
-    results = _run("grouped_graph", grouped_graph_worker)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+    _assert_clean(case, "grouped_graph", grouped_graph_worker)
 
 
 # -- other dtypes, int64 ids, validation switched off, no host synchronisation ------------------------------
@@ -199,9 +198,7 @@ VARIANTS = [f"{l}/{v}" for l in ("standard", "batched")
 
 @pytest.mark.parametrize("case", VARIANTS)
 def test_dtypes_int64_ids_and_device_side_validation(case):
-    results = _run("variants", variants_worker)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+    _assert_clean(case, "variants", variants_worker)
 
 
 # -- errors: a rank that skips a call, ranks on different calls, a rank with bad input --------------------
