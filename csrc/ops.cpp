@@ -66,45 +66,94 @@ mnnvl::Common common(const at::Tensor& state, const at::Tensor& peer_base, const
 
 using DispatchOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// What both halves of a dispatch derive from x and x_scales: row widths on the wire and how rows are
+// split into pieces across warps.
+struct RowShape {
+  int64_t payload_bytes, scale_bytes, x_width, s_width;
+  at::ScalarType x_type, s_type;
+};
+
+RowShape row_shape(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const std::vector<int64_t>& cfg) {
+  const bool quant = cfg[kCfgQuantFp8] != 0;
+  const int64_t hidden = cfg[kCfgHidden];
+  RowShape r{quant ? hidden : x.size(1) * x.element_size(), 0, quant ? hidden : x.size(1), 0,
+             quant ? at::kFloat8_e4m3fn : x.scalar_type(), at::kFloat};
+  if (quant) {
+    r.s_width = hidden / 128;
+    r.scale_bytes = r.s_width * 4;
+  } else if (x_scales.has_value()) {
+    r.s_width = x_scales->size(1);
+    r.s_type = x_scales->scalar_type();
+    r.scale_bytes = r.s_width * x_scales->element_size();
+  }
+  TORCH_CHECK(r.payload_bytes <= cfg[kCfgPayloadMax] && r.scale_bytes <= cfg[kCfgScaleMax],
+              "ep_comm: row larger than the buffer");
+  return r;
+}
+
+void set_dispatch_shape(mnnvl::DispatchParams& p, const RowShape& r, int64_t T, const std::vector<int64_t>& cfg,
+                        at::Tensor& work) {
+  const mnnvl::Layout& L = p.c.lay;
+  const int64_t k = L.top_k;
+  p.payload_bytes = r.payload_bytes;
+  p.scale_bytes = r.scale_bytes;
+  p.num_tokens = static_cast<int>(T);
+  // split rows so that every warp of the grid has a piece to send (latency of small batches)
+  const int64_t warps = cfg[kCfgNumBlocks] * mnnvl::kWarps;
+  const int64_t unit = cfg[kCfgQuantFp8] != 0 ? 256 : 512;
+  int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
+  p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
+  p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
+  p.capacity = static_cast<int64_t>(L.world) * L.max_tokens;
+  TORCH_CHECK(work.is_cuda() && work.scalar_type() == at::kInt &&
+                  work.numel() >= static_cast<int64_t>(L.world) * L.num_local + static_cast<int64_t>(L.max_tokens) * (k + 1),
+              "ep_comm: bad dispatch workspace");
+  p.send_count = work.data_ptr<int32_t>();
+  p.self_slot = p.send_count + static_cast<int64_t>(L.world) * L.num_local;
+  p.self_ready = reinterpret_cast<uint32_t*>(p.self_slot + static_cast<int64_t>(L.max_tokens) * k);
+}
+
+void set_dispatch_outputs(mnnvl::DispatchParams& p, at::Tensor& out_x, at::Tensor& out_s, at::Tensor& row_ids,
+                          at::Tensor& row_w, at::Tensor& row_slot, at::Tensor& counts) {
+  const bool batched = p.c.lay.batched != 0;
+  p.out_x = out_x.data_ptr();
+  p.out_scales = p.scale_bytes ? out_s.data_ptr() : nullptr;
+  p.row_ids = row_ids.data_ptr<int32_t>();
+  p.row_w = row_w.data_ptr<float>();
+  p.row_slot = batched ? row_slot.data_ptr<int32_t>() : nullptr;
+  p.counts = batched ? counts.data_ptr<int32_t>() : nullptr;
+}
+
+int phases_arg(int64_t phases) {
+  TORCH_CHECK(phases == kPhaseSend || phases == kPhaseBoth, "ep_comm: phases must be send (1) or both (3)");
+  return static_cast<int>(phases);
+}
+
 DispatchOut mnnvl_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                            const c10::optional<at::Tensor>& x_scales, at::Tensor& state, at::Tensor& work,
-                           const at::Tensor& peer_base, const at::Tensor& expert_owner, std::vector<int64_t> cfg) {
+                           const at::Tensor& peer_base, const at::Tensor& expert_owner, std::vector<int64_t> cfg,
+                           int64_t phases) {
   const c10::cuda::CUDAGuard guard(x.device());
   mnnvl::DispatchParams p{};
   p.c = common(state, peer_base, cfg);
+  p.phases = phases_arg(phases);
   const mnnvl::Layout& L = p.c.lay;
-  const bool quant = cfg[kCfgQuantFp8] != 0;
   const int64_t T = x.size(0);
   const int64_t k = L.top_k;
   const int64_t N = static_cast<int64_t>(L.world) * L.max_tokens;
   TORCH_CHECK(T <= L.max_tokens && topk_ids.size(0) == T && topk_ids.size(1) == k, "ep_comm: bad dispatch shapes");
   at::Tensor xc = aligned(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
-  at::Tensor sc;
-  const int64_t x_width = quant ? L.hidden : x.size(1);
-  p.payload_bytes = quant ? L.hidden : x.size(1) * x.element_size();
-  p.scale_bytes = 0;
-  at::ScalarType x_out_type = quant ? at::kFloat8_e4m3fn : x.scalar_type();
-  at::ScalarType s_out_type = at::kFloat;
-  int64_t s_width = 0;
-  if (quant) {
-    s_width = L.hidden / 128;
-    p.scale_bytes = s_width * 4;
-  } else if (x_scales.has_value()) {
-    sc = aligned(*x_scales);
-    s_width = sc.size(1);
-    s_out_type = sc.scalar_type();
-    p.scale_bytes = s_width * sc.element_size();
-  }
-  TORCH_CHECK(p.payload_bytes <= L.payload_max && p.scale_bytes <= L.scale_max, "ep_comm: row larger than the buffer");
+  at::Tensor sc = x_scales.has_value() && cfg[kCfgQuantFp8] == 0 ? aligned(*x_scales) : at::Tensor();
+  const RowShape r = row_shape(x, x_scales, cfg);
+  set_dispatch_shape(p, r, T, cfg, work);
   const auto opts = x.options();
   at::Tensor out_x, out_s;
   if (L.batched) {
-    out_x = at::empty({L.num_local, N, x_width}, opts.dtype(x_out_type));
-    out_s = p.scale_bytes ? at::empty({L.num_local, N, s_width}, opts.dtype(s_out_type))
-                          : at::empty({0}, opts.dtype(s_out_type));
+    out_x = at::empty({L.num_local, N, r.x_width}, opts.dtype(r.x_type));
+    out_s = r.scale_bytes ? at::empty({L.num_local, N, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
   } else {
-    out_x = at::empty({N, x_width}, opts.dtype(x_out_type));
-    out_s = p.scale_bytes ? at::empty({N, s_width}, opts.dtype(s_out_type)) : at::empty({0}, opts.dtype(s_out_type));
+    out_x = at::empty({N, r.x_width}, opts.dtype(r.x_type));
+    out_s = r.scale_bytes ? at::empty({N, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
   }
   at::Tensor row_ids = at::empty({N, k}, opts.dtype(at::kInt));
   at::Tensor row_w = at::empty({N, k}, opts.dtype(at::kFloat));
@@ -117,36 +166,35 @@ DispatchOut mnnvl_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, cons
   p.ids = ids.data_ptr();
   p.weights = w.data_ptr<float>();
   p.x_scales = sc.defined() ? sc.data_ptr() : nullptr;
-  p.num_tokens = static_cast<int>(T);
-  // split rows so that every warp of the grid has a piece to send (latency of small batches)
-  const int64_t warps = cfg[kCfgNumBlocks] * mnnvl::kWarps;
-  const int64_t unit = quant ? 256 : 512;
-  int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
-  p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
-  p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
-  p.capacity = N;
-  TORCH_CHECK(work.is_cuda() && work.scalar_type() == at::kInt &&
-                  work.numel() >= static_cast<int64_t>(L.world) * L.num_local + static_cast<int64_t>(L.max_tokens) * (k + 1),
-              "ep_comm: bad dispatch workspace");
-  p.send_count = work.data_ptr<int32_t>();
-  p.self_slot = p.send_count + static_cast<int64_t>(L.world) * L.num_local;
-  p.self_ready = reinterpret_cast<uint32_t*>(p.self_slot + static_cast<int64_t>(L.max_tokens) * k);
-  p.out_x = out_x.data_ptr();
-  p.out_scales = p.scale_bytes ? out_s.data_ptr() : nullptr;
-  p.row_ids = row_ids.data_ptr<int32_t>();
-  p.row_w = row_w.data_ptr<float>();
-  p.row_slot = L.batched ? row_slot.data_ptr<int32_t>() : nullptr;
-  p.counts = L.batched ? counts.data_ptr<int32_t>() : nullptr;
+  set_dispatch_outputs(p, out_x, out_s, row_ids, row_w, row_slot, counts);
   p.dest = dest.data_ptr<int32_t>();
-  const int quant_dtype = quant ? dtype_code(x.scalar_type()) : -1;
+  const int quant_dtype = cfg[kCfgQuantFp8] != 0 ? dtype_code(x.scalar_type()) : -1;
   EP_CUDA_CHECK(mnnvl::launch_dispatch(p, quant_dtype, ids.scalar_type() == at::kLong,
                                        static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
   return DispatchOut{out_x, out_s, row_ids, row_w, row_slot, counts, dest};
 }
 
+// The receive half of a dispatch launched with phases = send (return_recv_hook): same x / x_scales
+// (for the row widths and T), the outputs that call returned.
+void mnnvl_dispatch_recv(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, at::Tensor& state,
+                         at::Tensor& work, const at::Tensor& peer_base, at::Tensor& out_x, at::Tensor& out_s,
+                         at::Tensor& row_ids, at::Tensor& row_w, at::Tensor& row_slot, at::Tensor& counts,
+                         std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  mnnvl::DispatchParams p{};
+  p.c = common(state, peer_base, cfg);
+  p.phases = kPhaseReceive;
+  TORCH_CHECK(x.size(0) <= p.c.lay.max_tokens, "ep_comm: bad dispatch shapes");
+  set_dispatch_shape(p, row_shape(x, x_scales, cfg), x.size(0), cfg, work);
+  set_dispatch_outputs(p, out_x, out_s, row_ids, row_w, row_slot, counts);
+  // the receive half reads no input; the ids' width only selects the kernel instance
+  EP_CUDA_CHECK(mnnvl::launch_dispatch(p, -1, false, static_cast<int>(cfg[kCfgNumBlocks]),
+                                       c10::cuda::getCurrentCUDAStream()));
+}
+
 void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, const at::Tensor& row_w,
                    const at::Tensor& row_slot, const at::Tensor& dest, at::Tensor& state, const at::Tensor& peer_base,
-                   at::Tensor& out, std::vector<int64_t> cfg) {
+                   at::Tensor& out, std::vector<int64_t> cfg, int64_t phases) {
   const c10::cuda::CUDAGuard guard(expert_out.device());
   mnnvl::CombineParams p{};
   p.c = common(state, peer_base, cfg);
@@ -169,6 +217,8 @@ void mnnvl_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, cons
   p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);
   p.out = out.data_ptr();
   p.grouped = cfg[kCfgCombineGrouped] != 0;
+  TORCH_CHECK(phases >= kPhaseSend && phases <= kPhaseBoth, "ep_comm: bad combine phases ", phases);
+  p.phases = static_cast<int>(phases);
   EP_CUDA_CHECK(mnnvl::launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
 }
@@ -258,10 +308,13 @@ void collective_combine_partial(const at::Tensor& expert_out, const at::Tensor& 
 
 TORCH_LIBRARY(ep_comm, m) {
   m.def("mnnvl_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor? x_scales, Tensor(a!) state, "
-        "Tensor(b!) work, Tensor peer_base, Tensor expert_owner, int[] cfg) -> "
+        "Tensor(b!) work, Tensor peer_base, Tensor expert_owner, int[] cfg, int phases=3) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("mnnvl_combine(Tensor expert_out, Tensor row_ids, Tensor row_w, Tensor row_slot, Tensor dest, "
-        "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg) -> ()");
+        "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg, int phases=3) -> ()");
+  m.def("mnnvl_dispatch_recv(Tensor x, Tensor? x_scales, Tensor(a!) state, Tensor(b!) work, Tensor peer_base, "
+        "Tensor(c!) out_x, Tensor(d!) out_scales, Tensor(e!) row_ids, Tensor(f!) row_w, Tensor(g!) row_slot, "
+        "Tensor(h!) counts, int[] cfg) -> ()");
   m.def("mnnvl_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");
   m.def("check_ids(Tensor topk_ids, int num_experts, int flag_ptr) -> ()");
   m.def("collective_combine_partial(Tensor expert_out, Tensor dest, Tensor weights, Tensor(a!) out) -> ()");  // collective backends
@@ -270,6 +323,7 @@ TORCH_LIBRARY(ep_comm, m) {
 TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
   m.impl("mnnvl_dispatch", &ep_comm::mnnvl_dispatch);
   m.impl("mnnvl_combine", &ep_comm::mnnvl_combine);
+  m.impl("mnnvl_dispatch_recv", &ep_comm::mnnvl_dispatch_recv);
   m.impl("mnnvl_abort", &ep_comm::mnnvl_abort);
   m.impl("check_ids", &ep_comm::check_ids);
   m.impl("collective_combine_partial", &ep_comm::collective_combine_partial);  // collective backends

@@ -1,7 +1,7 @@
 """``Communicator``: validation, backend choice and the public dispatch/combine (docs/design.md §4-§7)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,7 @@ class Communicator:
         self._kernel = bool(getattr(self._impl, "kernel", False))
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
+        self._pending_hook: Optional[RecvHook] = None
         self._closed = False
 
     # -- backend choice ------------------------------------------------------------------------------
@@ -118,14 +119,17 @@ class Communicator:
             topk_ids: ``[T, top_k]`` int32/int64 global expert ids; -1 means no expert.
             topk_weights: ``[T, top_k]`` float32.
             x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``).
-            return_recv_hook: split send and receive for overlap; no backend of this build has it yet.
+            return_recv_hook: kernel backends (mnnvl): only issue the sends and return
+                ``(Dispatched, hook)``; the tensors are filled once ``hook()`` has run on the stream (it
+                launches the receive half). Other work can run in between; the next call on this
+                communicator must come after the hook.
         Returns:
-            ``Dispatched`` in the configured layout (see ``ep_comm.layouts``).
+            ``Dispatched`` in the configured layout (see ``ep_comm.layouts``), or ``(Dispatched, hook)``.
         """
         self._check_open()
-        _no_hooks(return_recv_hook)
+        self._check_hooks(return_recv_hook)
         if self._kernel:
-            return self._dispatch_kernel(x, topk_ids, topk_weights, x_scales)
+            return self._dispatch_kernel(x, topk_ids, topk_weights, x_scales, return_recv_hook)
         capturing = self._capturing()
         error: Optional[BaseException] = None
         try:
@@ -181,14 +185,15 @@ class Communicator:
                 ``[N, hidden]`` rows already weighted and summed over this rank's experts.
             dispatched: what ``dispatch`` returned on this rank for the same call.
             out: optional ``[T, hidden]`` tensor of ``cfg.dtype`` to write into.
-            return_recv_hook: split send and receive for overlap; no backend of this build has it yet.
+            return_recv_hook: kernel backends (mnnvl): only issue the sends and return ``(out, hook)``;
+                ``out`` holds the result once ``hook()`` has run on the stream.
         Returns:
-            ``[T, hidden]`` of ``cfg.dtype``; tokens with no valid expert get zeros.
+            ``[T, hidden]`` of ``cfg.dtype``; tokens with no valid expert get zeros. Or ``(out, hook)``.
         """
         self._check_open()
-        _no_hooks(return_recv_hook)
+        self._check_hooks(return_recv_hook)
         if self._kernel:
-            return self._combine_kernel(expert_out, dispatched, out)
+            return self._combine_kernel(expert_out, dispatched, out, return_recv_hook)
         capturing = self._capturing()
         error: Optional[BaseException] = None
         try:
@@ -270,7 +275,8 @@ class Communicator:
                 f"layout={self.cfg.layout!r}, num_local_experts={self.num_local_experts})")
 
     # -- kernel backends: no host agreement, errors travel through the device --------------------------
-    def _dispatch_kernel(self, x, topk_ids, topk_weights, x_scales) -> Dispatched:
+    def _dispatch_kernel(self, x, topk_ids, topk_weights, x_scales, hook: bool = False):
+        self._check_no_pending_hook()
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
         earlier_drops = host_checks and self._before_kernel_call()
         try:
@@ -283,14 +289,18 @@ class Communicator:
             if isinstance(exc, EPError):
                 raise
             raise EPInputError(f"invalid dispatch input: {exc!r}") from exc
-        out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch)
+        if hook:
+            out, receive = self._impl.dispatch_split(x, topk_ids, topk_weights, x_scales, self._epoch)
+        else:
+            out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch)
         out.owner = self
         self._epoch += 1
         if earlier_drops:
             self._impl.check_errors()
-        return out
+        return (out, self._new_hook(receive, "dispatch")) if hook else out
 
-    def _combine_kernel(self, expert_out, dispatched, out) -> torch.Tensor:
+    def _combine_kernel(self, expert_out, dispatched, out, hook: bool = False):
+        self._check_no_pending_hook()
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
         earlier_drops = host_checks and self._before_kernel_call()
         try:
@@ -304,10 +314,29 @@ class Communicator:
             raise EPInputError(f"invalid combine input: {exc!r}") from exc
         if out is None:
             out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
-        y = self._impl.combine(expert_out, dispatched, out)
+        if hook:
+            receive = self._impl.combine_split(expert_out, dispatched, out)
+        else:
+            out = self._impl.combine(expert_out, dispatched, out)
         if earlier_drops:
             self._impl.check_errors()
-        return y
+        return (out, self._new_hook(receive, "combine")) if hook else out
+
+    # -- receive hooks (kernel backends) ---------------------------------------------------------------
+    def _check_hooks(self, requested: bool) -> None:
+        if requested and not getattr(self._impl, "recv_hooks", False):
+            raise EPConfigError("return_recv_hook", True, f"backend {self.backend!r} does not split send and "
+                                "receive; the kernel backend 'mnnvl' does")
+
+    def _check_no_pending_hook(self) -> None:
+        if self._pending_hook is not None:
+            raise EPError(f"rank {self.rank}: the receive hook of the previous {self._pending_hook.what} has not "
+                          "run; call it before the next dispatch/combine on this communicator (overlap two "
+                          "micro-batches with two communicators)")
+
+    def _new_hook(self, receive: Callable[[], None], what: str) -> "RecvHook":
+        self._pending_hook = RecvHook(self, receive, what)
+        return self._pending_hook
 
     def _before_kernel_call(self) -> bool:
         """Raise a recorded peer problem now (the call must not start: the ranks are out of step).
@@ -355,7 +384,18 @@ def _settle(wait) -> None:
         pass
 
 
-def _no_hooks(requested: bool) -> None:
-    if requested:
-        raise EPConfigError("return_recv_hook", True, "no backend of this build splits send and receive yet "
-                            "(planned for the kernel backends mnnvl and nvshmem)")
+class RecvHook:
+    """The receive half of a call made with ``return_recv_hook=True``: calling it launches the half on
+    the current stream (once; under CUDA-graph capture it is captured like any launch)."""
+
+    def __init__(self, comm: Communicator, receive: Callable[[], None], what: str):
+        self._comm, self._receive, self.what, self._done = comm, receive, what, False
+
+    def __call__(self) -> None:
+        if self._done:
+            raise EPError(f"the receive hook of this {self.what} already ran")
+        self._comm._check_open()
+        self._done = True
+        if self._comm._pending_hook is self:
+            self._comm._pending_hook = None
+        self._receive()

@@ -209,6 +209,36 @@ def test_closed_communicator_refuses_calls():
         assert "closed" in msg
 
 
+def hooks_worker(backend: str) -> list[str]:
+    topo = ep_comm.init_distributed()
+    cfg = _cfg(topo.world_size, backend=backend)
+    good = _good(cfg, topo.world_size, topo.rank)
+    out = []
+    with ep_comm.Communicator(cfg) as comm:
+        try:
+            comm.dispatch(good.x, good.topk_ids, good.topk_weights, return_recv_hook=True)
+            out.append("no error")
+        except ep_comm.EPConfigError as exc:
+            out.append(str(exc))
+        d = comm.dispatch(good.x, good.topk_ids, good.topk_weights)  # still usable: nothing was sent
+        eo = torch.zeros(*d.x.shape[:-1], cfg.hidden, dtype=cfg.dtype)
+        try:
+            comm.combine(eo, d, return_recv_hook=True)
+            out.append("no error")
+        except ep_comm.EPConfigError as exc:
+            out.append(str(exc))
+        comm.combine(eo, d)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_collective_backends_refuse_recv_hooks_naming_the_backend_that_has_them(backend):
+    for msgs in raise_on_failure(spawn_local(hooks_worker, 2, (backend,), timeout_s=60, extra_env=lambda r: CPU_ONLY)):
+        assert len(msgs) == 2
+        for msg in msgs:
+            assert "return_recv_hook" in msg and backend in msg and "'mnnvl'" in msg, msg
+
+
 def attributes_worker():
     topo = ep_comm.init_distributed()
     cfg = _cfg(topo.world_size, backend="auto")

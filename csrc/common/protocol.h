@@ -85,6 +85,10 @@ enum : int {
   kCfgLen
 };
 
+// Halves of a kernel-backend call (return_recv_hook): the send half issues the stores, signals and
+// advances the call number; the receive half, launched by the hook, waits and lays out / sums.
+enum : int { kPhaseSend = 1, kPhaseReceive = 2, kPhaseBoth = 3 };
+
 // Prefill-sized combines signal per group of kGroupTokens tokens, so the owner sums a group as soon
 // as every peer's partials of it have landed instead of after every peer's whole send.
 constexpr int kGroupTokens = 32;

@@ -205,7 +205,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int nl = L.num_local;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
-  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
+  // a receive half runs right after its send half (the host refuses other calls in between), which
+  // already advanced the call number
+  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) -
+                       (p.phases == kPhaseReceive ? 1 : 0);
   const uint32_t code = make_code(seq, kOpDispatch);
   const int parity = static_cast<int>(seq & 1);
   stamp(L, kTraceDispatch, kTrStart);
@@ -217,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
 
+  if (p.phases & kPhaseSend) {
   // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
   // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
   const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
@@ -308,6 +312,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (!a.ok) return;
   if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  if (!(p.phases & kPhaseReceive)) return;
+  }  // send half
 
   // ---- receive: sources in the order own, rank+1, rank+2, ...; a source's rows of expert e take the
   // slots after every earlier source's (prefix of the published counts)
@@ -612,7 +618,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const int nwarps = gridDim.x * kWarps;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
-  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq);
+  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) -
+                       (p.phases == kPhaseReceive ? 1 : 0);  // as in dispatch
   const uint32_t code = make_code(seq, kOpCombine);
   const int parity = static_cast<int>(seq & 1);
   stamp(L, kTraceCombine, kTrStart);
@@ -622,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
-  if (p.grouped && L.world > 1) {
+  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth) {
     combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
     stamp(L, kTraceCombine, kTrSent, true);
     // the call flag still goes out (peers on another call see it), but nothing here waits for it
@@ -636,6 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     return;
   }
 
+  if (p.phases & kPhaseSend) {
   // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
   // the partials of this rank's own tokens are summed straight from expert_out when receiving
   const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
@@ -655,6 +663,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
       *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
   }
+  if (!(p.phases & kPhaseReceive)) return;
+  }  // send half
 
   // ---- receive: wait for every peer's partials, then per own token sum them with this rank's own
   // expert rows in float32

@@ -71,6 +71,7 @@ struct DispatchParams {
   int32_t* row_slot;            // [N, k] batched: flat row in [L * capacity] of each id, else null
   int32_t* counts;              // [L] batched expert_num_tokens, else null
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
+  int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
 };
 
 struct CombineParams {
@@ -83,7 +84,8 @@ struct CombineParams {
   int num_tokens;
   int chunks;          // pieces each row is split into (latency of small batches)
   int chunk_elems;     // elements per piece (a multiple of 256 unless chunks == 1)
-  bool grouped;        // signal and sum per group of kGroupTokens tokens (prefill sizes)
+  bool grouped;        // signal and sum per group of kGroupTokens tokens (prefill sizes, both phases)
+  int phases;          // kPhaseSend | kPhaseReceive (protocol.h)
   void* out;  // [T, hidden] of the transport dtype
 };
 

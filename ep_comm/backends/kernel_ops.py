@@ -4,9 +4,12 @@ The ops (C++ in ``csrc/ops.cpp``) launch on the current stream and never synchro
 captured in CUDA graphs; the fake implementations below give ``torch.compile`` their output shapes,
 so a compiled function traces through them without a graph break.
 
-    mnnvl_dispatch(x, topk_ids, topk_weights, x_scales?, state!, work!, peer_base, expert_owner, cfg)
+    mnnvl_dispatch(x, topk_ids, topk_weights, x_scales?, state!, work!, peer_base, expert_owner, cfg, phases=3)
         -> (out_x, out_scales, row_ids, row_w, row_slot, counts, dest)
-    mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg) -> ()
+    mnnvl_dispatch_recv(x, x_scales?, state!, work!, peer_base, out_x!, out_scales!, row_ids!, row_w!,
+                        row_slot!, counts!, cfg) -> ()        the receive half after phases=1 (send only)
+    mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg, phases=3) -> ()
+        phases: 1 send half, 2 receive half, 3 both (kernel_protocol.PHASE_*)
     mnnvl_abort(state!, peer_base, cfg) -> ()
     check_ids(topk_ids, num_experts, flag_ptr) -> ()
     collective_combine_partial(expert_out, dest, weights, out!) -> ()   (naive/ag_rs batched combine)
@@ -104,7 +107,8 @@ def _register_fakes() -> None:
     lib = "ep_comm::"
 
     @torch.library.register_fake(lib + "mnnvl_dispatch")
-    def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, work, peer_base, expert_owner, cfg: Sequence[int]):
+    def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, work, peer_base, expert_owner, cfg: Sequence[int],
+                       phases: int = kp.PHASE_BOTH):
         world, max_tokens, k = cfg[kp.WORLD], cfg[kp.MAX_TOKENS], cfg[kp.TOP_K]
         local, hidden, batched = cfg[kp.NUM_LOCAL], cfg[kp.HIDDEN], bool(cfg[kp.BATCHED])
         n = world * max_tokens
@@ -125,8 +129,14 @@ def _register_fakes() -> None:
         dest = x.new_empty((x.shape[0], k), dtype=torch.int32)
         return out_x, out_s, row_ids, row_w, row_slot, counts, dest
 
+    @torch.library.register_fake(lib + "mnnvl_dispatch_recv")
+    def _dispatch_recv_fake(x, x_scales, state, work, peer_base, out_x, out_scales, row_ids, row_w, row_slot,
+                            counts, cfg):
+        return None
+
     @torch.library.register_fake(lib + "mnnvl_combine")
-    def _combine_fake(expert_out, row_ids, row_w, row_slot, dest, state, peer_base, out, cfg):
+    def _combine_fake(expert_out, row_ids, row_w, row_slot, dest, state, peer_base, out, cfg,
+                      phases: int = kp.PHASE_BOTH):
         return None
 
     @torch.library.register_fake(lib + "mnnvl_abort")

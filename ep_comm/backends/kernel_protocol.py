@@ -20,6 +20,9 @@ from ..config import EPConfig
  OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, GROUP_FLAGS_OFFSET, COMBINE_GROUPED,
  CFG_LEN) = range(32)
 
+# halves of a call (protocol.h, kPhase*): return_recv_hook launches them separately
+PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
+
 # prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
 # kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED=1/0 forces it
 # on/off for either layout (tests).  Batched combines measured slower grouped (bench/NOTES.md).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,12 +38,14 @@ class KernelHandle:
     row_w: torch.Tensor
     row_slot: torch.Tensor
     dest: torch.Tensor
+    outputs: tuple  # what the dispatch op returned but dest: the receive half of a split call fills them
 
 
 class MnnvlBackend:
     name = "mnnvl"
     graph_capturable = True
     kernel = True  # routing guard, quantisation and validation of ids happen in the kernels
+    recv_hooks = True  # dispatch_split / combine_split: send now, receive when the hook runs
 
     def __init__(self, ctx: BackendContext, buffer: SymmetricBuffer, layout: kp.BufferLayout, num_blocks: int):
         self.ctx = ctx
@@ -139,10 +141,26 @@ class MnnvlBackend:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched:
+        return self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, kp.PHASE_BOTH)
+
+    def dispatch_split(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       x_scales: Optional[torch.Tensor], epoch: int) -> tuple[Dispatched, Callable[[], None]]:
+        """The send half now; the returned function launches the receive half, which fills the
+        ``Dispatched`` tensors (on the stream current when it is called)."""
+        d = self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, kp.PHASE_SEND)
+        raw = d.handle.outputs
+
+        def receive() -> None:
+            torch.ops.ep_comm.mnnvl_dispatch_recv(x, x_scales, self.state, self.work, self.peer_base, *raw,
+                                                  self.cfg_vec)
+        return d, receive
+
+    def _dispatch(self, x, topk_ids, topk_weights, x_scales, epoch: int, phases: int) -> Dispatched:
         out_x, out_s, row_ids, row_w, row_slot, counts, dest = torch.ops.ep_comm.mnnvl_dispatch(
-            x, topk_ids, topk_weights, x_scales, self.state, self.work, self.peer_base, self.expert_owner, self.cfg_vec)
+            x, topk_ids, topk_weights, x_scales, self.state, self.work, self.peer_base, self.expert_owner, self.cfg_vec,
+            phases)
         has_scales = self.ctx.cfg.quant == "fp8" or x_scales is not None
-        handle = KernelHandle(row_ids, row_w, row_slot, dest)
+        handle = KernelHandle(row_ids, row_w, row_slot, dest, (out_x, out_s, row_ids, row_w, row_slot, counts))
         scales = out_s if has_scales else None
         if self.ctx.cfg.layout == "batched":
             return Dispatched(layout="batched", x=out_x, x_scales=scales, expert_num_tokens=counts,
@@ -151,13 +169,25 @@ class MnnvlBackend:
                           num_tokens=x.shape[0], epoch=epoch, handle=handle)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
+        receive = self.combine_split(expert_out, dispatched, out, kp.PHASE_BOTH)
+        receive()
+        return out
+
+    def combine_split(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor,
+                      phases: int = kp.PHASE_SEND) -> Callable[[], None]:
+        """Launch ``phases`` of a combine now (the send half by default); the returned function
+        launches the receive half, after which ``out`` holds the result."""
         h: KernelHandle = dispatched.handle
         target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        torch.ops.ep_comm.mnnvl_combine(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
-                                        self.peer_base, target, self.cfg_vec)
-        if target is not out:
-            out.copy_(target)
-        return out
+        args = (expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state, self.peer_base, target, self.cfg_vec)
+        torch.ops.ep_comm.mnnvl_combine(*args, phases)
+
+        def receive() -> None:
+            if phases != kp.PHASE_BOTH:
+                torch.ops.ep_comm.mnnvl_combine(*args, kp.PHASE_RECEIVE)
+            if target is not out:
+                out.copy_(target)
+        return receive
 
     def abort(self, reason: BaseException) -> None:
         """This rank's input was invalid: end every peer's current call now, with an error naming this

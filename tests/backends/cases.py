@@ -70,21 +70,47 @@ PAYLOADS = {  # name -> (quant, payload kind, scales width)
 }
 
 
-def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict) -> list[str]:
+def _other_work(device) -> None:
+    """A kernel between a split call's send half and its receive hook, as an engine would run."""
+    a = torch.rand(256, 256, device=device)
+    (a @ a).sum()
+
+
+def dispatch(comm, hooks: bool, *args):
+    """``comm.dispatch(*args)``; with ``hooks`` split: send, other work, then the receive hook."""
+    if not hooks:
+        return comm.dispatch(*args)
+    d, hook = comm.dispatch(*args, return_recv_hook=True)
+    _other_work(comm.device)
+    hook()
+    return d
+
+
+def combine(comm, hooks: bool, expert_out, d):
+    if not hooks:
+        return comm.combine(expert_out, d)
+    y, hook = comm.combine(expert_out, d, return_recv_hook=True)
+    _other_work(comm.device)
+    hook()
+    return y
+
+
+def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict, hooks: bool = False) -> list[str]:
     quant, kind, swidth = PAYLOADS[payload]
     inputs = oracle.random_inputs(cfg, world, seed, payload=kind, scales_width=swidth, **spec)
     mine = inputs[rank].to(comm.device)
-    d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+    d = dispatch(comm, hooks, mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
     expert_out = oracle.run_experts(cfg, rank, world, d)  # padding rows/slots are NaN
-    y = comm.combine(expert_out, d)
+    y = combine(comm, hooks, expert_out, d)
     if y.dtype != cfg.dtype:
         problems.append(f"combine dtype {y.dtype}")
     problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
     return problems
 
 
-def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"), repeats: int = 1) -> dict:
+def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"), repeats: int = 1,
+                   hooks: bool = False) -> dict:
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
@@ -101,7 +127,8 @@ def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"),
                 for name, spec in scenarios(world, cfg.max_tokens_per_rank).items():
                     seed += 1
                     key = f"{backend}/{layout}/{payload}/{name}"
-                    results[key] = results.get(key, []) + run_case(comm, cfg, world, rank, seed, payload, spec)
+                    results[key] = results.get(key, []) + run_case(comm, cfg, world, rank, seed, payload, spec,
+                                                                   hooks)
     return results
 
 
@@ -122,9 +149,10 @@ def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
 
 
 def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3,
-                  seed: int = 100, **cfg_kw) -> dict:
-    """Capture dispatch + combine once, replay with fresh inputs (seeds ``seed``, ``seed + 1``, ...),
-    compare with the oracle, then an out-of-range id during a replay.  ``cfg_kw``: make_cfg overrides."""
+                  hooks: bool = False, seed: int = 100, **cfg_kw) -> dict:
+    """Capture dispatch + combine once (``hooks``: split calls with their receive hooks), replay with
+    fresh inputs (seeds ``seed``, ``seed + 1``, ...), compare with the oracle, then an out-of-range id
+    during a replay.  ``cfg_kw``: make_cfg overrides."""
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
@@ -142,8 +170,8 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                d_s = comm.dispatch(x_s, ids_s, w_s)
-                y_s = comm.combine(graph_experts(cfg, rank, world, d_s), d_s)
+                d_s = dispatch(comm, hooks, x_s, ids_s, w_s)
+                y_s = combine(comm, hooks, graph_experts(cfg, rank, world, d_s), d_s)
             for rep in range(replays):
                 inputs = oracle.random_inputs(cfg, world, seed + rep, tokens=tokens, p_minus_one=0.1, p_duplicate=0.2)
                 mine = inputs[rank].to(comm.device)

@@ -66,6 +66,55 @@ def test_cuda_graph_capture_and_replay(case):
     _assert_clean(case, "graph", cases.graph_capture, ("mnnvl",))
 
 
+# -- receive hooks: send half now, receive half when the hook runs --------------------------------------------
+@pytest.mark.parametrize("case", MATRIX)
+def test_recv_hooks_match_oracle(case):
+    results = _run("hooks", cases.backend_matrix, ("mnnvl",), ("standard", "batched"), 2, True)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_recv_hooks_under_cuda_graphs(case):
+    results = _run("hooks_graph", cases.graph_capture, ("mnnvl",), ("standard", "batched"), 3, True)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+def hook_misuse_worker() -> list[str]:
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "standard", None)
+    inputs = oracle.random_inputs(cfg, world, 41)
+    mine = inputs[rank].to(device)
+    problems = []
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        d, hook = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, return_recv_hook=True)
+        try:  # the next call before the hook: refused, nothing launched
+            comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            problems.append("a call with a receive hook pending was accepted")
+        except ep_comm.EPError as exc:
+            if "receive hook" not in str(exc):
+                problems.append(f"unexpected message: {exc}")
+        hook()
+        try:
+            hook()
+            problems.append("a hook ran twice")
+        except ep_comm.EPError as exc:
+            if "already ran" not in str(exc):
+                problems.append(f"unexpected message: {exc}")
+        problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
+        y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)  # in step after the refusal
+        problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+        comm.check_errors()
+    return problems
+
+
+def test_recv_hook_misuse_is_refused_and_the_communicator_stays_in_step():
+    for rank, problems in enumerate(_spawn(hook_misuse_worker)):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems)
+
+
 # -- grouped combine (prefill sizes: per-group flags, sums while the link is busy) ---------------------------
 def grouped_worker() -> dict:
     """The grouped combine forced on at 96 tokens (3 groups, uneven T, zero T, -1/duplicates, skew, two
