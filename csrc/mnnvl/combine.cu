@@ -1,0 +1,321 @@
+// mnnvl combine: one launch per call (send partials, signal, wait, sum), or two with a receive hook;
+// prefill sizes of the standard layout run grouped (per-group flags, sums interleaved with sends).
+#include <type_traits>
+
+#include "mnnvl/kernel_common.cuh"
+
+namespace ep_comm {
+namespace mnnvl {
+namespace {
+
+// ---- combine ------------------------------------------------------------------------------------------
+// This rank's expert rows of received row ``r`` into src/w (one warp): batched, one per local expert
+// with its weight; standard, the row itself (already weighted).  Returns how many (0: padding, which
+// is never read whatever it holds).
+template <typename Tin>
+__device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const Tin* eo, int64_t r, const Tin** src,
+                                                  float* w, int lane) {
+  const int k = p.c.lay.top_k;
+  const int64_t H = p.c.lay.hidden;
+  const int lid = lane < k ? p.row_ids[r * k + lane] : -1;
+  const unsigned mask = __ballot_sync(kFull, lid >= 0);
+  if (mask == 0) return 0;
+  int n = 1;
+  if (p.c.lay.batched) {
+    n = __popc(mask);
+    if (lid >= 0) {
+      const int j = __popc(mask & lanes_below(lane));
+      src[j] = eo + static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
+      w[j] = p.row_w[r * k + lane];
+    }
+  } else if (lane == 0) {
+    src[0] = eo + r * H;
+    w[0] = 1.f;
+  }
+  __syncwarp();
+  return n;
+}
+
+// dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials,
+// read around L1 since they arrived over NVLink.  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
+// Each lane keeps kSumRows x kSumCols raw 8-element loads in flight: combine is bound by how many
+// bytes are in flight per SM (Little's law), not by arithmetic.
+constexpr int kSumRows = 2;
+
+template <typename T, bool kCg, int kSumCols>
+__device__ __forceinline__ void accumulate_rows(const T* const* rows, const float* w, int n, int c0, int hi,
+                                                float (&acc)[kSumCols][8]) {
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;  // fp32 packs take twice the registers
+  for (int j0 = 0; j0 < n; j0 += kRows) {
+    Pack8<T> v[kRows][kSumCols];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (j0 + r < n && c0 + c * kStep < hi) {
+          if (kCg) v[r][c].load_cg(rows[j0 + r] + c0 + c * kStep);
+          else v[r][c].load(rows[j0 + r] + c0 + c * kStep);
+        }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (j0 + r >= n) break;
+      const float scale = w == nullptr ? 1.f : w[j0 + r];
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].fma_into(scale, acc[c]);
+    }
+  }
+}
+
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
+                                         Tout* dst, int lo, int hi, bool vec, int lane) {
+  if (!vec) {
+    for (int c = lo + lane; c < hi; c += kWarpSize) {
+      float acc = 0.f;
+      for (int j = 0; j < n; ++j) acc = fmaf(w[j], to_float<Tin>(src[j][c]), acc);
+      for (int j = 0; j < m; ++j) acc += to_float<Tout>(part[j][c]);
+      dst[c] = from_float<Tout>(acc);
+    }
+    return;
+  }
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kSumCols = sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4;  // fp32 accumulators + packs: registers
+  for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * kSumCols) {
+    float acc[kSumCols][8];
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+    accumulate_rows<Tin, false, kSumCols>(src, w, n, c0, hi, acc);
+    accumulate_rows<Tout, true, kSumCols>(part, nullptr, m, c0, hi, acc);
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+      if (c0 + c * kStep < hi) Vec8<Tout>::store(dst + c0 + c * kStep, acc[c]);
+  }
+}
+
+// Piece ``chunk`` of the partial of row (src, t) that this rank computes, into src's combine region
+// (one warp).  Padding rows are never read.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void send_partial_piece(const CombineParams& p, const Tin* eo, int src, int t, int chunk,
+                                                   int parity, const Tin** src_rows, float* w, int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, src_rows, w, lane);
+  if (n == 0) return;
+  Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
+                                      (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
+  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+}
+
+// Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_output_piece(const CombineParams& p, const Tin* eo, const uint8_t* region, int t,
+                                                 int chunk, const Tin** src_rows, float* w, const Tout** parts,
+                                                 int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int d = lane < L.top_k ? p.dest[static_cast<int64_t>(t) * L.top_k + lane] : -1;
+  const bool remote = d >= 0 && d != L.rank;
+  const unsigned remote_mask = __ballot_sync(kFull, remote);
+  const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
+  if (remote) {
+    parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
+        region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
+  }
+  __syncwarp();
+  const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t, src_rows,
+                                                  w, lane)
+                        : 0;
+  sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
+                      lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+}
+
+__device__ __forceinline__ uint64_t* group_flag(const Common& c, int owner, int parity, int src, int g) {
+  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.group_flags_offset) +
+         (static_cast<int64_t>(parity) * c.lay.world + src) * c.lay.max_groups + g;
+}
+
+// Wait for a peer's group flag; every few hundred polls also look at its call flag, where an abort or
+// a later call shows up (group flags only ever carry combine codes).  Returns false after recording why.
+__device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int src, int g, uint32_t code,
+                                                uint64_t deadline, const ErrorSink& err) {
+  const uint64_t* gf = group_flag(c, c.lay.rank, parity, src, g);
+  const uint64_t* main = flag_slot(c, c.lay.rank, parity, src);
+  uint32_t spins = 0;
+  while (static_cast<uint32_t>(ld_acquire_sys(gf)) != code) {
+    if ((++spins & 255u) != 0) continue;
+    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
+    if (other != 0 && other != code &&
+        ((code_seq(other) == code_seq(code) && code_op(other) != kOpCombine) || code_ahead(other, code))) {
+      err.peer(src, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
+      return false;
+    }
+    if (global_timer_ns() > deadline) {
+      err.peer(src, kReasonTimeout, static_cast<uint32_t>(ld_acquire_sys(gf)), code);
+      err.count(kStatusTimeouts, 1);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Grouped combine (prefill sizes): each block alternates between sending the partials of one group
+// of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
+// tokens whose partials have all been flagged, so the sums run while the link is still busy instead
+// of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
+// (world - 1) groups, the pace at which the peers' matching groups arrive.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
+                                                uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                                float* w, const Tout** parts, int lane, int warp) {
+  const Layout& L = p.c.lay;
+  const int peers = L.world - 1;
+  const int groups = L.max_groups;
+  const int send_units = peers * groups;
+  const int own_groups = (p.num_tokens + kGroupTokens - 1) / kGroupTokens;
+  const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
+  __shared__ int s_ok;
+  int next_sum = blockIdx.x;  // own groups b, b + grid, ...
+  int sent = 0;               // send units this block finished
+  auto sum_group = [&](int g) {
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      for (int i = 1; i < L.world; ++i) ok = wait_group_flag(p.c, parity, (L.rank + i) % L.world, g, code, deadline, err) && ok;
+      s_ok = ok;
+    }
+    __syncthreads();
+    const int t0 = g * kGroupTokens;
+    const int rows = min(kGroupTokens, p.num_tokens - t0);
+    // after a failed wait the call's result is void (the error record says why): skip the reads
+    for (int item = warp; s_ok && item < rows * p.chunks; item += kWarps)
+      sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
+    __syncthreads();
+  };
+  for (int u = blockIdx.x; u < send_units; u += gridDim.x) {
+    const int src = (L.rank + 1 + u % peers) % L.world;
+    const int t0 = (u / peers) * kGroupTokens;
+    const int rows = min(kGroupTokens, L.max_tokens - t0);
+    for (int item = warp; item < rows * p.chunks; item += kWarps)
+      send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // the block's partials land before the group's flag
+      st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
+    }
+    ++sent;
+    // sum own groups whose partials should have arrived by now (peers send in the same order)
+    while (next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
+      sum_group(next_sum);
+      next_sum += gridDim.x;
+    }
+  }
+  for (; next_sum < own_groups; next_sum += gridDim.x) sum_group(next_sum);
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
+  const Layout& L = p.c.lay;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp;
+  const int nwarps = gridDim.x * kWarps;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const ErrorSink err{p.c.status, L.pending, L.world};
+  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) -
+                       (p.phases == kPhaseReceive ? 1 : 0);  // as in dispatch
+  const uint32_t code = make_code(seq, kOpCombine);
+  const int parity = static_cast<int>(seq & 1);
+  stamp(L, kTraceCombine, kTrStart);
+
+  __shared__ const Tin* s_src[kWarps][kMaxTopK];
+  __shared__ float s_w[kWarps][kMaxTopK];
+  __shared__ const Tout* s_part[kWarps][kMaxTopK];
+  const Tin* eo = static_cast<const Tin*>(p.expert_out);
+
+  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth) {
+    combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+    stamp(L, kTraceCombine, kTrSent, true);
+    // the call flag still goes out (peers on another call see it), but nothing here waits for it
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last) {
+      signal_all(p.c, parity, code);
+      stamp(L, kTraceCombine, kTrSignalled);
+      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    }
+    stamp(L, kTraceCombine, kTrEnd, true);
+    return;
+  }
+
+  if (p.phases & kPhaseSend) {
+  // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
+  // the partials of this rank's own tokens are summed straight from expert_out when receiving
+  const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
+  for (int64_t item = gwarp; item < peer_items; item += nwarps) {
+    const int64_t q = item / p.chunks;
+    const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
+    send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),
+                                  parity, s_src[warp], s_w[warp], lane);
+  }
+
+  stamp(L, kTraceCombine, kTrSent, true);
+  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+  stamp(L, kTraceCombine, kTrArrived);
+  if (a.last) {
+    signal_all(p.c, parity, code);
+    stamp(L, kTraceCombine, kTrSignalled);
+    if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  }
+  if (!(p.phases & kPhaseReceive)) return;
+  }  // send half
+
+  // ---- receive: wait for every peer's partials, then per own token sum them with this rank's own
+  // expert rows in float32
+  uint8_t* const own = peer_ptr(p.c, L.rank);
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < L.world; ++i) {
+      const int src = (L.rank + i) % L.world;
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
+      wait_flag(flag, code, src, deadline, err);
+    }
+  }
+  __syncthreads();
+  stamp(L, kTraceCombine, kTrSource0);
+  const uint8_t* region = own + L.combine_offset[parity];
+  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+    sum_output_piece<Tin, Tout>(p, eo, region, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+                                s_src[warp], s_w[warp], s_part[warp], lane);
+  stamp(L, kTraceCombine, kTrEnd, true);
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
+                           cudaStream_t stream) {
+  const dim3 grid(num_blocks), block(kThreads);
+#define EP_COMBINE_OUT(Tin)                                                                     \
+  do {                                                                                          \
+    switch (out_dtype) {                                                                        \
+      case kBf16: combine_kernel<Tin, __nv_bfloat16><<<grid, block, 0, stream>>>(p); break;     \
+      case kFp16: combine_kernel<Tin, __half><<<grid, block, 0, stream>>>(p); break;            \
+      default: combine_kernel<Tin, float><<<grid, block, 0, stream>>>(p); break;                \
+    }                                                                                           \
+  } while (0)
+  switch (in_dtype) {
+    case kBf16: EP_COMBINE_OUT(__nv_bfloat16); break;
+    case kFp16: EP_COMBINE_OUT(__half); break;
+    default: EP_COMBINE_OUT(float); break;
+  }
+#undef EP_COMBINE_OUT
+  return cudaGetLastError();
+}
+
+}  // namespace mnnvl
+}  // namespace ep_comm
