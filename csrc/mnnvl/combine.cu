@@ -228,10 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const int nwarps = gridDim.x * kWarps;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
-  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) -
-                       (p.phases == kPhaseReceive ? 1 : 0);  // as in dispatch
-  const uint32_t code = make_code(seq, kOpCombine);
-  const int parity = static_cast<int>(seq & 1);
+  const auto [seq, code, parity] = current_call(p.c, kOpCombine, p.phases);
   stamp(L, kTraceCombine, kTrStart);
 
   __shared__ const Tin* s_src[kWarps][kMaxTopK];

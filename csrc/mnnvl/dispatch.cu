@@ -176,12 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int nl = L.num_local;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
-  // a receive half runs right after its send half (the host refuses other calls in between), which
-  // already advanced the call number
-  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) -
-                       (p.phases == kPhaseReceive ? 1 : 0);
-  const uint32_t code = make_code(seq, kOpDispatch);
-  const int parity = static_cast<int>(seq & 1);
+  const auto [seq, code, parity] = current_call(p.c, kOpDispatch, p.phases);
   stamp(L, kTraceDispatch, kTrStart);
 
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
@@ -370,8 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
 }
 
 __global__ void abort_kernel(const Common c) {
-  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq);
-  signal_all(c, static_cast<int>(seq & 1), make_code(seq, kOpAbort));
+  const auto [seq, code, parity] = current_call(c, kOpAbort, kPhaseBoth);
+  signal_all(c, parity, code);
   __syncthreads();
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
 }

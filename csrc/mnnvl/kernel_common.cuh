@@ -19,6 +19,21 @@ __device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int p
   return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.flags_offset) + parity * c.lay.world + src;
 }
 
+// The call a kernel belongs to, from the device-side call counter: its number, flag code and buffer
+// parity.  A receive half runs right after its send half (the host refuses other calls in between),
+// which already advanced the counter.
+struct CallId {
+  uint64_t seq;
+  uint32_t code;
+  int parity;
+};
+
+__device__ __forceinline__ CallId current_call(const Common& c, uint32_t op, int phases) {
+  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) -
+                       (phases == kPhaseReceive ? 1 : 0);
+  return CallId{seq, make_code(seq, op), static_cast<int>(seq & 1)};
+}
+
 __device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
 
 // Phase stamp of this block when tracing is on (EP_COMM_TRACE=1); with ``sync`` the whole block

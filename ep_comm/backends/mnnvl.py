@@ -169,25 +169,29 @@ class MnnvlBackend:
                           num_tokens=x.shape[0], epoch=epoch, handle=handle)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
-        receive = self.combine_split(expert_out, dispatched, out, kp.PHASE_BOTH)
-        receive()
+        target = _contiguous_target(out)
+        self._combine_op(expert_out, dispatched, target, kp.PHASE_BOTH)
+        if target is not out:
+            out.copy_(target)
         return out
 
-    def combine_split(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor,
-                      phases: int = kp.PHASE_SEND) -> Callable[[], None]:
-        """Launch ``phases`` of a combine now (the send half by default); the returned function
-        launches the receive half, after which ``out`` holds the result."""
-        h: KernelHandle = dispatched.handle
-        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        args = (expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state, self.peer_base, target, self.cfg_vec)
-        torch.ops.ep_comm.mnnvl_combine(*args, phases)
+    def combine_split(self, expert_out: torch.Tensor, dispatched: Dispatched,
+                      out: torch.Tensor) -> Callable[[], None]:
+        """The send half of a combine now; the returned function launches the receive half, after
+        which ``out`` holds the result."""
+        target = _contiguous_target(out)
+        self._combine_op(expert_out, dispatched, target, kp.PHASE_SEND)
 
         def receive() -> None:
-            if phases != kp.PHASE_BOTH:
-                torch.ops.ep_comm.mnnvl_combine(*args, kp.PHASE_RECEIVE)
+            self._combine_op(expert_out, dispatched, target, kp.PHASE_RECEIVE)
             if target is not out:
                 out.copy_(target)
         return receive
+
+    def _combine_op(self, expert_out: torch.Tensor, dispatched: Dispatched, target: torch.Tensor, phases: int) -> None:
+        h: KernelHandle = dispatched.handle
+        torch.ops.ep_comm.mnnvl_combine(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
+                                        self.peer_base, target, self.cfg_vec, phases)
 
     def abort(self, reason: BaseException) -> None:
         """This rank's input was invalid: end every peer's current call now, with an error naming this
@@ -257,3 +261,8 @@ class MnnvlBackend:
         # the ranks' call sequences can no longer be trusted: every later call raises this too
         self._fatal = fatal
         return fatal
+
+
+def _contiguous_target(out: torch.Tensor) -> torch.Tensor:
+    """``out`` itself, or a contiguous stand-in (the kernels write rows contiguously)."""
+    return out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
