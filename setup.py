@@ -1,9 +1,13 @@
-"""Builds the CUDA extension from csrc/ only where it can be built.
+"""Builds the CUDA extensions from csrc/ only where they can be built.
 
-EP_COMM_BUILD_CUDA=1 forces the build (and fails loudly if it cannot), =0 skips it; unset means
-"build if this torch has CUDA and nvcc is found".  Everything else lives in pyproject.toml.
+ep_comm._C (the kernels): EP_COMM_BUILD_CUDA=1 forces the build (and fails loudly if it cannot), =0
+skips it; unset means "build if this torch has CUDA and nvcc is found".
+ep_comm._C_nvshmem (csrc/nvshmem/, the nvshmem backend's host runtime): built alongside _C where the
+NVSHMEM wheel (nvidia-nvshmem-cu12/13, the extra `nvshmem`) or $NVSHMEM_DIR is found;
+EP_COMM_BUILD_NVSHMEM=0|1 forces it off/on.  Everything else lives in pyproject.toml.
 """
 import glob
+import importlib.util
 import os
 import shutil
 
@@ -22,8 +26,47 @@ def _want_cuda() -> bool:
     return bool(torch.version.cuda) and (CUDA_HOME is not None or shutil.which("nvcc") is not None)
 
 
+def _nvshmem_dir():
+    """The NVSHMEM install to build against (include/, lib/libnvshmem_host.so.3), or None."""
+    flag = os.environ.get("EP_COMM_BUILD_NVSHMEM")
+    if flag == "0":
+        return None
+    found = os.environ.get("NVSHMEM_DIR")
+    if not found:
+        try:
+            spec = importlib.util.find_spec("nvidia.nvshmem")
+        except ImportError:
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            found = list(spec.submodule_search_locations)[0]
+    if found and os.path.exists(os.path.join(found, "lib", "libnvshmem_host.so.3")):
+        return found
+    if flag == "1":
+        raise RuntimeError(f"EP_COMM_BUILD_NVSHMEM=1 but no NVSHMEM with lib/libnvshmem_host.so.3 was found "
+                           f"(NVSHMEM_DIR={os.environ.get('NVSHMEM_DIR')!r}; pip install nvidia-nvshmem-cu13)")
+    return None
+
+
+def _nvshmem_extension(nvshmem: str):
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension
+
+    cuda_inc = os.path.join(CUDA_HOME or "/usr/local/cuda", "include")
+    lib = os.path.join(nvshmem, "lib")
+    # the wheel ships only the versioned soname: link that file, the one torch already loads
+    return CppExtension(
+        name="ep_comm._C_nvshmem",
+        sources=sorted(glob.glob("csrc/nvshmem/*.cpp")),
+        # CUDA 13's headers that NVSHMEM's include need cuda/std/* from cccl
+        include_dirs=[os.path.join(nvshmem, "include"), cuda_inc, os.path.join(cuda_inc, "cccl")],
+        library_dirs=[lib],
+        extra_compile_args=["-O2", "-std=c++17"],
+        extra_link_args=["-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"],
+    )
+
+
 def _extensions():
-    sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
+    sources = sorted(s for s in glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True)
+                     if not s.startswith(os.path.join("csrc", "nvshmem", "")))
     if not sources or not _want_cuda():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -36,7 +79,11 @@ def _extensions():
         # no --use_fast_math: the fused fp8 quantisation must match ep_comm.quant bit for bit
         extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-lineinfo", "-std=c++17"]},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+    exts = [ext]
+    nvshmem = _nvshmem_dir()
+    if nvshmem:
+        exts.append(_nvshmem_extension(nvshmem))
+    return exts, {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
 def _default_arch_list() -> None:

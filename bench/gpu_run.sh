@@ -19,21 +19,25 @@ summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" >> "$OUT/env.txt" 2>&1
 summary "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
 
-# the extension: reuse .ext/_C-<hash of the sources>.so when carried, else build and hand it back in $OUT
+# the extensions (_C, and _C_nvshmem where the NVSHMEM wheel is): reuse .ext/<name>-<hash of the sources>.so.gz
+# when carried, else build and hand them back gzipped in $OUT (a raw _C is over the 16 MiB a file may have)
 hash=$(cat setup.py $(find csrc -type f \( -name "*.cu" -o -name "*.cuh" -o -name "*.h" -o -name "*.cpp" \) | sort) | sha1sum | cut -c1-16)
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 t0=$(date +%s)
-if [ -f ".ext/_C-$hash.so" ]; then
-  cp ".ext/_C-$hash.so" "ep_comm/_C$suffix"
+if [ -f ".ext/_C-$hash.so.gz" ]; then
+  for f in .ext/*-$hash.so.gz; do n=$(basename "$f" "-$hash.so.gz"); gunzip -c "$f" > "ep_comm/$n$suffix"; done
   EP_COMM_BUILD_CUDA=0 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
-  summary "install rc=$? (carried build $hash) in $(( $(date +%s) - t0 )) s"
+  summary "install rc=$? (carried build $hash: $(ls .ext/*-$hash.so.gz | xargs -n1 basename | tr '\n' ' ')) in $(( $(date +%s) - t0 )) s"
 else
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
   rc=$?; summary "install rc=$rc (built $hash) in $(( $(date +%s) - t0 )) s"
-  [ $rc -eq 0 ] && cp ep_comm/_C*.so "$OUT/_C-$hash.so" 2>/dev/null
-  [ $rc -eq 0 ] || { grep -E "error|Error" "$OUT/install.log" | head -20; }
+  if [ $rc -eq 0 ]; then
+    for f in ep_comm/_C*$suffix; do n=$(basename "$f" "$suffix"); gzip -c "$f" > "$OUT/$n-$hash.so.gz"; done
+  else
+    grep -E "error|Error" "$OUT/install.log" | head -20
+  fi
 fi
-python3 -c "from ep_comm.backends import kernel_ops as k; print('kernels:', k.unavailable_reason() or 'ok')" 2>&1 | tee -a "$OUT/summary.txt"
+python3 -c "from ep_comm.backends import kernel_ops as k; from ep_comm.memory import nvshmem_heap as n; print('kernels:', k.unavailable_reason() or 'ok', '| nvshmem:', n.unavailable_reason() or n.runtime_summary())" 2>&1 | tee -a "$OUT/summary.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1

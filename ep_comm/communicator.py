@@ -1,6 +1,7 @@
 """``Communicator``: validation, backend choice and the public dispatch/combine (docs/design.md §4-§7)."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -11,7 +12,7 @@ from .backends import gathered as _gathered
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
 from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
-from .errors import EPConfigError, EPError, EPInputError, EPTopologyError
+from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError, EPTopologyError
 from .layouts import Dispatched
 from .quant import quantize_fp8
 from .routing import check_ids, sanitize_routing
@@ -69,8 +70,7 @@ class Communicator:
                 cfg=cfg, group=group, control=self.control, topology=self.topology, rank=self.rank,
                 world_size=self.world_size, device=self.device, error_flags=self._error_flags,
             )
-            self.backend = self._choose_backend(cfg.resolved_backend_request())
-            self._impl = _backends.get_backend(self.backend).create(self._ctx)
+            self.backend, self._impl, self.auto_skipped = self._create_backend(cfg.resolved_backend_request())
         except BaseException as exc:
             # a refused backend (raised alike on every rank) must not leave the gloo group behind
             self.control.close(f"creation failed: {type(exc).__name__}")
@@ -82,8 +82,26 @@ class Communicator:
         self._closed = False
 
     # -- backend choice ------------------------------------------------------------------------------
-    def _choose_backend(self, requested: str) -> str:
-        """Every rank reports what it can run; all ranks pick the same backend or all raise."""
+    def _create_backend(self, requested: str):
+        """``(name, backend, skipped)``.  Under ``auto`` a candidate whose creation fails alike on every
+        rank with an ``EPError`` (NVSHMEM cannot start, say) gives way to the next; ``skipped`` says why."""
+        candidates = self._choose_backends(requested)
+        skipped: list[str] = []
+        for i, name in enumerate(candidates):
+            try:
+                return name, _backends.get_backend(name).create(self._ctx), skipped
+            except EPTimeoutError:
+                raise  # a peer is missing: the next candidate would wait for it too
+            except EPError as exc:
+                if i == len(candidates) - 1:
+                    raise
+                skipped.append(f"{name}: {exc}")
+                warnings.warn(f"ep_comm: backend='auto' skips {name!r}: {exc}", RuntimeWarning, stacklevel=3)
+        raise AssertionError("unreachable")
+
+    def _choose_backends(self, requested: str) -> list[str]:
+        """Every rank reports what it can run; all ranks get the same candidates (the requested backend,
+        or every usable one in ``AUTO_ORDER``) or all raise."""
         local = _backends.local_availability(self._ctx)
         everyone = self.control.gather_objects(local)
 
@@ -96,10 +114,10 @@ class Communicator:
             if why:
                 usable = [n for n in _backends.registered() if not blocker(n)]
                 raise EPTopologyError(f"backend {requested!r} cannot run on this group ({why}); usable: {usable}")
-            return requested
-        for name in _backends.AUTO_ORDER:
-            if name in local and not blocker(name):
-                return name
+            return [requested]
+        usable = [name for name in _backends.AUTO_ORDER if name in local and not blocker(name)]
+        if usable:
+            return usable
         raise EPTopologyError("no backend usable on every rank: " + "; ".join(f"{n}: {blocker(n)}" for n in local))
 
     # -- public API ----------------------------------------------------------------------------------
@@ -119,7 +137,7 @@ class Communicator:
             topk_ids: ``[T, top_k]`` int32/int64 global expert ids; -1 means no expert.
             topk_weights: ``[T, top_k]`` float32.
             x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``).
-            return_recv_hook: kernel backends (mnnvl): only issue the sends and return
+            return_recv_hook: kernel backends (mnnvl, nvshmem): only issue the sends and return
                 ``(Dispatched, hook)``; the tensors are filled once ``hook()`` has run on the stream (it
                 launches the receive half). Other work can run in between; the next call on this
                 communicator must come after the hook.
@@ -185,7 +203,7 @@ class Communicator:
                 ``[N, hidden]`` rows already weighted and summed over this rank's experts.
             dispatched: what ``dispatch`` returned on this rank for the same call.
             out: optional ``[T, hidden]`` tensor of ``cfg.dtype`` to write into.
-            return_recv_hook: kernel backends (mnnvl): only issue the sends and return ``(out, hook)``;
+            return_recv_hook: kernel backends (mnnvl, nvshmem): only issue the sends and return ``(out, hook)``;
                 ``out`` holds the result once ``hook()`` has run on the stream.
         Returns:
             ``[T, hidden]`` of ``cfg.dtype``; tokens with no valid expert get zeros. Or ``(out, hook)``.
@@ -326,7 +344,7 @@ class Communicator:
     def _check_hooks(self, requested: bool) -> None:
         if requested and not getattr(self._impl, "recv_hooks", False):
             raise EPConfigError("return_recv_hook", True, f"backend {self.backend!r} does not split send and "
-                                "receive; the kernel backend 'mnnvl' does")
+                                "receive; the kernel backends 'mnnvl' and 'nvshmem' do")
 
     def _check_no_pending_hook(self) -> None:
         if self._pending_hook is not None:

@@ -7,6 +7,7 @@ from .ag_rs import AllGatherReduceScatterBackend
 from .base import Availability, Backend, BackendContext, KernelBackend, RoutedBatch
 from .mnnvl import MnnvlBackend
 from .naive import NaiveBackend
+from .nvshmem import NvshmemBackend
 
 _REGISTRY: dict[str, Type] = {}
 
@@ -14,9 +15,7 @@ _REGISTRY: dict[str, Type] = {}
 AUTO_ORDER = ("mnnvl", "nvshmem", "ag_rs")
 
 #: backends of the contract that are not part of this build yet, with the reason shown to users
-NOT_BUILT = {
-    "nvshmem": "not implemented yet (NVSHMEM low-latency backend)",
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 def register(cls: Type) -> Type:
@@ -53,6 +52,7 @@ def registered() -> dict[str, Type]:
 register(NaiveBackend)
 register(AllGatherReduceScatterBackend)
 register(MnnvlBackend)
+register(NvshmemBackend)
 
 __all__ = ["Availability", "Backend", "BackendContext", "KernelBackend", "RoutedBatch", "register", "get_backend", "registered",
            "local_availability", "AUTO_ORDER", "NOT_BUILT"]

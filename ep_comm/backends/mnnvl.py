@@ -127,7 +127,7 @@ class MnnvlBackend:
         if x_scales is not None:
             nbytes = x_scales.shape[1] * x_scales.element_size()
             if nbytes > self.layout.scale_max:
-                raise EPInputError(f"x_scales rows hold {nbytes} bytes; backend mnnvl carries at most "
+                raise EPInputError(f"x_scales rows hold {nbytes} bytes; backend {self.name} carries at most "
                                    f"{self.layout.scale_max} bytes of scales per token (hidden={self.ctx.cfg.hidden})")
 
     def check_ids(self, topk_ids: torch.Tensor) -> bool:
@@ -232,7 +232,7 @@ class MnnvlBackend:
         expected = kp.describe_code(rep.expected_code)
         seen = lambda ranks: "; ".join(f"rank {r} last signalled {kp.describe_code(rep.seen[r])}" for r in ranks)  # noqa: E731
         if rep.local_stall:
-            fatal: EPError = EPError(f"rank {me}: mnnvl kernel blocks were not all resident within timeout_s={t:g} "
+            fatal: EPError = EPError(f"rank {me}: {self.name} kernel blocks were not all resident within timeout_s={t:g} "
                                      f"(num_sms={self.num_sms} too large while other kernels hold the GPU?)")
         elif rep.ranks_with(kp.REASON_ABORT):
             aborted = rep.ranks_with(kp.REASON_ABORT)
@@ -241,7 +241,7 @@ class MnnvlBackend:
         elif rep.ranks_with(kp.REASON_TIMEOUT):
             missing = rep.ranks_with(kp.REASON_TIMEOUT)
             fatal = EPTimeoutError(
-                f"rank {me}: mnnvl {expected} did not complete within timeout_s={t:g}: no signal from rank(s) "
+                f"rank {me}: {self.name} {expected} did not complete within timeout_s={t:g}: no signal from rank(s) "
                 f"{missing} ({seen(missing)})", missing_ranks=missing)
         elif rep.ranks_with(kp.REASON_MISMATCH):
             fatal = EPError(f"rank {me}: ranks are on different calls: this rank was in {expected}, "

@@ -164,9 +164,9 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
         with ep_comm.Communicator(cfg, device=device) as comm:
             first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
             x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-            # eager warm-up initialises NCCL communicators outside the capture
-            d = comm.dispatch(x_s, ids_s, w_s)
-            comm.combine(graph_experts(cfg, rank, world, d), d)
+            # eager warm-up (the same calls) initialises NCCL communicators and cuBLAS outside the capture
+            d = dispatch(comm, hooks, x_s, ids_s, w_s)
+            combine(comm, hooks, graph_experts(cfg, rank, world, d), d)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):

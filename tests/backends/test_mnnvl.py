@@ -45,7 +45,9 @@ def _run(name, fn, *args):
 
 def _assert_clean(case, name, fn, *args):
     """``case`` is among the cases ``fn`` ran (on every rank, once per module) and had no problems."""
-    _assert_clean(case, name, fn, *args)
+    results = _run(name, fn, *args)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
 
 
 MATRIX = [f"mnnvl/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
@@ -80,9 +82,9 @@ def hook_misuse_worker() -> list[str]:
     world, rank = topo.world_size, topo.rank
     cfg = cases.make_cfg(world, "mnnvl", "standard", None)
     inputs = oracle.random_inputs(cfg, world, 41)
-    mine = inputs[rank].to(device)
     problems = []
     with ep_comm.Communicator(cfg, device=device) as comm:
+        mine = inputs[rank].to(comm.device)
         d, hook = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, return_recv_hook=True)
         try:  # the next call before the hook: refused, nothing launched
             comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
@@ -245,10 +247,10 @@ def test_dtypes_int64_ids_and_device_side_validation(case):
 
 
 # -- errors: a rank that skips a call, ranks on different calls, a rank with bad input --------------------
-def skip_worker(timeout_s: float) -> dict:
+def skip_worker(timeout_s: float, backend: str = "mnnvl") -> dict:
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=timeout_s)
+    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s)
     comm = ep_comm.Communicator(cfg, device=device)
     inp = oracle.random_inputs(cfg, world, 5)[rank].to(comm.device)
     d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)

@@ -1,0 +1,229 @@
+"""NVSHMEM's symmetric heap as a kernel backend's buffer (the ``nvshmem`` backend).
+
+``NvshmemBuffer`` has what the kernel backends use of a ``SymmetricBuffer`` (``local``, ``peer_ptrs``,
+``close``), over one ``nvshmem_malloc`` per communicator.  Peer pointers come from ``nvshmem_ptr``:
+NVSHMEM maps NVLink peers' heaps into this process, so the mnnvl kernels store straight into them.
+
+The process has one NVSHMEM (torch's cu12/cu13 wheels load ``libnvshmem_host.so.3``, and our
+``ep_comm._C_nvshmem`` links that same file).  ``acquire_runtime`` starts it on the first communicator
+with a unique id sent over the communicator's control group, or reuses one that torch symmetric memory
+or the engine already started (then it is never finalised here); the last ``release`` finalises what
+we started.  A start failure becomes one ``EPError`` on every rank, carrying NVSHMEM's own messages
+and the variables that decide the transports.
+
+Layering: imports ``ep_comm.errors`` and ``ep_comm.distributed`` only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ..distributed.control import ControlPlane
+from ..distributed.topology import Topology
+from ..errors import EPError, EPTopologyError
+from ._dlpack import tensor_from_pointer
+
+__all__ = ["NvshmemBuffer", "acquire_runtime", "release_runtime", "unavailable_reason", "runtime_summary",
+           "NVSHMEM_ENV"]
+
+#: variables that decide how NVSHMEM starts and reaches peers (quoted in every start error)
+NVSHMEM_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_BOOTSTRAP",
+               "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_P2P",
+               "NVSHMEM_DISABLE_NVLS", "NVSHMEM_DEBUG")
+HEAP_MARGIN = 256 << 20  # headroom over the first communicator's buffer when we size the heap
+
+
+def _extension() -> tuple[Optional[Any], str]:
+    try:
+        from .. import _C_nvshmem  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, (f"ep_comm._C_nvshmem is not built ({exc}); it is compiled by `pip install` where the "
+                      "NVSHMEM wheel is installed: pip install 'ep-comm[nvshmem]' (nvidia-nvshmem-cu13 for a "
+                      "CUDA 13 torch, nvidia-nvshmem-cu12 for CUDA 12), then reinstall ep-comm")
+    return _C_nvshmem, ""
+
+
+def unavailable_reason() -> str:
+    """'' when this process can use NVSHMEM (extension built and loadable), else why not."""
+    return _extension()[1]
+
+
+def _env_summary() -> str:
+    return ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in NVSHMEM_ENV)
+
+
+class _Runtime:
+    """Process-wide NVSHMEM state: who started it, for which group, how many buffers use it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.started_here = False
+        self.pe_of_rank: Optional[tuple[int, ...]] = None
+        self.poisoned = ""  # a peer was lost: collective calls (free, finalize) would block forever
+
+
+_RT = _Runtime()
+
+
+def runtime_summary() -> str:
+    ext, why = _extension()
+    if ext is None:
+        return why
+    state = "started by ep_comm" if _RT.started_here else ("started elsewhere" if _RT.users else "not started")
+    return f"NVSHMEM {ext.VERSION}, {state}, {_RT.users} buffer(s); {_env_summary()}"
+
+
+def _captured_stderr(fn, *args):
+    """Run ``fn`` with file descriptor 2 going to a temporary file; return (result, captured text).  The
+    text is written back to stderr too: NVSHMEM reports why it failed only there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            result = fn(*args)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    if text:
+        sys.stderr.write(text)
+    return result, text
+
+
+def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int, heap_bytes: int) -> tuple[int, ...]:
+    """Start (or join) NVSHMEM for this communicator's ranks; collective over ``control``.  Returns the
+    PE of every rank.  Raises ``EPError`` on every rank alike when it cannot start."""
+    ext, why = _extension()
+    rank, world = topology.rank, topology.world_size
+    error = ""
+    with _RT.lock:
+        if ext is None:
+            error = why
+        elif _RT.poisoned:
+            error = f"NVSHMEM is unusable in this process: {_RT.poisoned}"
+    # from here every rank takes part in the same exchanges, so a failure on one reaches all
+    reuse = ext is not None and not error and ext.init_status() >= ext.STATUS_IS_INITIALIZED
+    uid = b""
+    if ext is not None and not error and not reuse and rank == 0:
+        try:
+            uid = ext.unique_id()
+        except RuntimeError as exc:
+            error = f"rank 0: {exc}"
+    votes = control.gather_objects((error, reuse, uid))
+    errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(votes) if e]
+    if errors:
+        raise EPError("nvshmem backend: NVSHMEM cannot start: " + "; ".join(errors))
+    if len({v[1] for v in votes}) != 1:
+        raise EPError("nvshmem backend: NVSHMEM is already running on some ranks but not on others "
+                      f"({[r for r, v in enumerate(votes) if v[1]]}); start it on all or none")
+    with torch.cuda.device(device_index):
+        status, text = 0, ""
+        if not reuse:
+            if topology.num_hosts == 1:
+                # one host: NVLink/P2P reaches every PE, and probing NICs only fails noisily
+                os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, heap_bytes + HEAP_MARGIN)))
+            status, text = _captured_stderr(ext.init, votes[0][2], rank, world)
+        pe = ext.my_pe() if status == 0 else -1
+        n = ext.n_pes() if status == 0 else -1
+    outcome = control.gather_objects((status, pe, n, text[-600:]))
+    bad = [(r, s, t) for r, (s, _, _, t) in enumerate(outcome) if s != 0]
+    if bad:
+        detail = "; ".join(f"rank {r}: status {s}" + (f" ({t.strip()})" if t.strip() else "") for r, s, t in bad)
+        raise EPError(f"nvshmem backend: NVSHMEM failed to start: {detail}. Variables: {_env_summary()}")
+    pes = tuple(p for _, p, _, _ in outcome)
+    if len(set(pes)) != world:
+        raise EPError(f"nvshmem backend: the running NVSHMEM gives these ranks the PEs {list(pes)}; each rank of "
+                      "the communicator needs its own PE (NVSHMEM was started for another group)")
+    with _RT.lock:
+        if not reuse and _RT.users == 0:
+            _RT.started_here = True
+        _RT.users += 1
+        _RT.pe_of_rank = pes
+    return pes
+
+
+def release_runtime(collective: bool) -> None:
+    """One buffer fewer.  The last one finalises an NVSHMEM we started, when ``collective`` (every rank
+    gets here); after a lost peer the runtime is left as it is, since finalising would wait for it."""
+    ext, _ = _extension()
+    with _RT.lock:
+        _RT.users = max(0, _RT.users - 1)
+        if not collective and not _RT.poisoned:
+            _RT.poisoned = "a peer was lost while a buffer was open (its memory was not freed)"
+        finalize = ext is not None and _RT.users == 0 and _RT.started_here and not _RT.poisoned
+        if finalize:
+            _RT.started_here = False
+    if finalize:
+        ext.finalize()
+
+
+class NvshmemBuffer:
+    """``nbytes`` of NVSHMEM symmetric heap per rank, every peer's copy reachable by loads and stores.
+
+    ``local``: uint8 tensor over this rank's copy; ``peer_ptrs``: int64 ``[world_size]`` on the device,
+    the address of each rank's copy in this process.
+    """
+
+    def __init__(self, ext: Any, base: int, nbytes: int, device: torch.device, peer_ptrs: torch.Tensor):
+        self._ext = ext
+        self._base = base
+        self.nbytes = nbytes
+        self.device = device
+        self.local = tensor_from_pointer(base, nbytes, device, owner=self)
+        self.peer_ptrs = peer_ptrs
+        self._closed = False
+
+    @classmethod
+    def create(cls, nbytes: int, control: ControlPlane, topology: Topology, device_index: int) -> "NvshmemBuffer":
+        """Collective over the communicator's ranks.  ``EPTopologyError`` when a peer cannot be reached by
+        stores (``nvshmem_ptr`` gives no address: another host without NVLink mapping)."""
+        pes = acquire_runtime(control, topology, device_index, nbytes)
+        ext, _ = _extension()
+        device = torch.device("cuda", device_index)
+        with torch.cuda.device(device_index):
+            base = ext.malloc(nbytes)
+        got = control.gather_objects(base != 0)
+        if not all(got):
+            # where it succeeded the memory stays: nvshmem_free is collective and the others have none
+            release_runtime(collective=True)
+            raise EPError(f"nvshmem backend: nvshmem_malloc({nbytes}) failed on rank(s) "
+                          f"{[r for r, ok in enumerate(got) if not ok]}: the symmetric heap is too small; set "
+                          f"NVSHMEM_SYMMETRIC_SIZE (bytes) above the total of every communicator's buffer before "
+                          f"the first one starts NVSHMEM ({_env_summary()})")
+        ptrs = [ext.ptr(base, pe) for pe in pes]
+        unreachable = [r for r, p in enumerate(ptrs) if p == 0]
+        votes = control.gather_objects(unreachable)
+        if any(votes):
+            with torch.cuda.device(device_index):
+                ext.free(base)
+            release_runtime(collective=True)
+            pairs = "; ".join(f"rank {r} cannot reach {v}" for r, v in enumerate(votes) if v)
+            raise EPTopologyError(
+                f"nvshmem backend: NVSHMEM gives no load/store address for some peers ({pairs}): they are on "
+                f"other hosts or P2P is off (NVSHMEM_DISABLE_P2P). This version reaches peers only through "
+                f"nvshmem_ptr (NVLink); across a network use backend='ag_rs'")
+        peer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        return cls(ext, base, nbytes, device, peer_ptrs)
+
+    def close(self, collective: bool = True) -> None:
+        """Free the heap memory (collective: every rank must close) and release the runtime.  With
+        ``collective=False`` (a peer is gone) nothing collective runs: the memory stays allocated."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)  # no kernel may still store into a peer's copy
+        try:
+            if collective:
+                with torch.cuda.device(self.device):
+                    self._ext.free(self._base)
+        finally:
+            release_runtime(collective)

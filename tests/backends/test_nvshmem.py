@@ -1,0 +1,149 @@
+"""The nvshmem backend on GPUs: the oracle matrix (plain and with receive hooks), CUDA graphs, a rank
+that skips a call, NVSHMEM's start/stop across communicators, and the backend choice.
+
+One rank per GPU (NVSHMEM gives each GPU one PE), so at least 2 GPUs; skipped without them or without
+the ``ep_comm._C_nvshmem`` extension (built where the NVSHMEM wheel is installed).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import oracle
+from ep_comm.distributed.spawn import raise_on_failure, spawn_local
+
+from . import cases
+from .test_mnnvl import skip_worker
+
+
+def _why_skip() -> str:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return "needs at least 2 CUDA GPUs (one NVSHMEM PE per GPU)"
+    from ep_comm.memory import nvshmem_heap
+
+    return nvshmem_heap.unavailable_reason()
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")]
+
+
+def _spawn(fn, *args, timeout_s: float = 600.0, extra_env=None):
+    world = torch.cuda.device_count()
+    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=extra_env))
+
+
+_cache: dict = {}
+
+
+def _assert_clean(case, name, fn, *args):
+    """``case`` is among the cases ``fn`` ran (on every rank, once per module) and had no problems."""
+    if name not in _cache:
+        _cache[name] = cases.merge_ranks(_spawn(fn, *args))
+    results = _cache[name]
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+MATRIX = [f"nvshmem/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS
+          for s in cases.scenarios(2, 16)]
+GRAPH = [f"nvshmem/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp8")]
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_matches_oracle(case):
+    # two rounds per communicator: buffers reused without a barrier; one communicator per
+    # (layout, payload), so NVSHMEM is started and finalised six times in each rank's process
+    _assert_clean(case, "matrix", cases.backend_matrix, ("nvshmem",), ("standard", "batched"), 2)
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_recv_hooks_match_oracle(case):
+    _assert_clean(case, "hooks", cases.backend_matrix, ("nvshmem",), ("standard", "batched"), 1, True)
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_cuda_graph_capture_and_replay(case):
+    _assert_clean(case, "graph", cases.graph_capture, ("nvshmem",))
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_recv_hooks_under_cuda_graphs(case):
+    _assert_clean(case, "hooks_graph", cases.graph_capture, ("nvshmem",), ("standard", "batched"), 3, True)
+
+
+def test_rank_that_skips_a_call_is_named_by_a_timeout():
+    timeout_s = 3.0
+    results = _spawn(skip_worker, timeout_s, "nvshmem", timeout_s=120)
+    world = len(results)
+    for res in results[:-1]:
+        assert res["error"] is not None, res
+        assert res["missing"] == [world - 1], res
+        assert res["elapsed"] < timeout_s + 5, res
+        assert res["later"] == "EPTimeoutError", res
+    # after a timeout close frees nothing collectively (nvshmem_free would wait for the peer)
+    assert all(r["close_s"] < timeout_s + 30 for r in results), results
+
+
+def lifecycle_worker() -> dict:
+    """Two communicators open at once share one NVSHMEM; it stops with the last and starts again."""
+    from ep_comm.memory import nvshmem_heap
+
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "nvshmem", "standard", None)
+    inputs = oracle.random_inputs(cfg, world, 3)
+    problems: list[str] = []
+    states = []
+    a = ep_comm.Communicator(cfg, device=device)
+    b = ep_comm.Communicator(cases.make_cfg(world, "nvshmem", "batched", "fp8"), device=device)
+    states.append(nvshmem_heap.runtime_summary())
+    for comm in (a, b, a):
+        mine = inputs[rank].to(comm.device)
+        d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+        y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
+        problems += oracle.compare_combine(comm.cfg, y, oracle.expected_combine(comm.cfg, inputs)[rank])
+    a.close()
+    b.close()
+    states.append(nvshmem_heap.runtime_summary())
+    with ep_comm.Communicator(cfg, device=device) as c:  # NVSHMEM again after the finalise
+        mine = inputs[rank].to(c.device)
+        d = c.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+        y = c.combine(oracle.run_experts(cfg, rank, world, d), d)
+        problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+    return {"problems": problems, "states": states}
+
+
+def test_nvshmem_is_shared_by_open_communicators_and_restarts_after_the_last_close():
+    for res in _spawn(lifecycle_worker, timeout_s=240):
+        assert res["problems"] == [], res
+        assert "started by ep_comm, 2 buffer(s)" in res["states"][0], res
+        assert "not started, 0 buffer(s)" in res["states"][1], res
+
+
+def choice_worker(fake_hosts: bool) -> dict:
+    if fake_hosts:
+        os.environ["EP_COMM_HOST_ID"] = f"fakehost{os.environ['RANK']}"
+    topo, device = cases.init_rank()
+    world = topo.world_size
+    res = {}
+    with ep_comm.Communicator(cases.make_cfg(world, "auto", "standard", None), device=device) as comm:
+        res["auto"] = comm.backend
+    try:
+        ep_comm.Communicator(cases.make_cfg(world, "nvshmem", "standard", None), device=device).close()
+        res["nvshmem"] = "created"
+    except ep_comm.EPTopologyError as exc:
+        res["nvshmem"] = str(exc)
+    return res
+
+
+def test_backend_choice():
+    # one host: auto prefers mnnvl; nvshmem on request
+    for r in _spawn(choice_worker, False, timeout_s=180):
+        assert r == {"auto": "mnnvl", "nvshmem": "created"}, r
+    # ranks posing as two hosts without an IMEX channel: neither one-sided backend, auto gives ag_rs
+    for r in _spawn(choice_worker, True, timeout_s=180):
+        assert r["auto"] == "ag_rs", r
+        assert "span 2 hosts" in r["nvshmem"] and "ag_rs" in r["nvshmem"], r
