@@ -10,6 +10,10 @@ layout:
 3. dispatch and combine are timed separately, after ``--warmup`` untimed pairs, over ``--sets`` run
    sets with fresh random routing each.  Ranks are lined up on the host before every timed pair.
    CUDA events on GPUs, ``perf_counter`` on CPUs.
+4. with ``--recv-hook``, on backends with receive hooks (``recv_hooks``), the split calls
+   (``return_recv_hook=True``) are checked against the oracle too (before any timing), then each
+   half (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) is timed the same
+   way; other backends are skipped with one progress line.
 
 Reported per op: the max over ranks of each rank's median (p50) and 90th percentile (p90), the
 algorithmic bandwidth and the same-run ``all_to_all_single`` baseline (NCCL on GPUs, gloo on CPUs)
@@ -32,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ..communicator import Communicator
+from ..config import EPConfig
 from ..errors import EPConfigError, EPTopologyError
 from . import DTYPES, default_backends, resolve_backend_request
-from .bench_measure import OracleGate, bench_config, make_sets, percentiles, remote_sends, time_baseline, time_eager, \
-    time_graph
+from .bench_measure import HALF_OPS, OracleGate, bench_config, make_sets, percentiles, remote_sends, time_baseline, \
+    time_eager, time_graph, time_hooks_eager, time_hooks_graph
 from .bench_report import Reporter, device_name
 from .launcher import RankEnv, agree_exit_code, gather_objects, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
@@ -80,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "installed is one line, not a failure")
     p.add_argument("--peer-ll-max-tokens", type=int, default=128, metavar="T",
                    help="largest tokens per rank at which the peer's low-latency kernels are timed (default: 128)")
+    p.add_argument("--recv-hook", action="store_true",
+                   help="also check and time each half of split calls (return_recv_hook=True): dispatch_send, "
+                        "dispatch_recv, combine_send, combine_recv rows, on backends with receive hooks (mnnvl); "
+                        "other backends are skipped with one line")
     p.add_argument("--phase-times", action="store_true",
                    help="print the wall time of each phase (spawn, init, create, check, capture, warmup, timing, "
                         "baseline, peer) per row and in total to stderr; the JSON always has them")
@@ -170,6 +179,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
     gate = OracleGate(env, args)
     total = len(args.tokens) * len(names) * len(layouts)
     done, timed_rows, failures = 0, 0, 0
+    no_hooks: set[str] = set()  # backends already named in a "hooks skipped" line
     for tokens in args.tokens:
         progress(f"{tokens} tok: inputs, {baseline_backend} all_to_all_single baseline ({args.mode})")
         with phases("inputs"):
@@ -202,15 +212,25 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     else:
                         report.note(f"note: {name}: skipped, not usable here ({exc})")
                     continue
+                hooks = args.recv_hook and _recv_hooks(comm)
+                if args.recv_hook and not hooks and comm.backend not in no_hooks:
+                    no_hooks.add(comm.backend)
+                    progress(f"{comm.backend}: no receive hooks (return_recv_hook); --recv-hook rows skipped for it")
                 try:
                     with phases("check"):
                         problems = gate.check(cfg, comm)
-                    timed = None
+                        if hooks and not problems:  # the split path is timed too: it must be right as well
+                            problems = gate.check(cfg, comm, hooks=True)
+                    timed, halves = None, None
                     if not problems:
                         if args.mode == "graph":
                             timed, problems = time_graph(env, cfg, comm, sets, args, phases)
+                            if hooks and not problems:
+                                halves, problems = time_hooks_graph(env, cfg, comm, sets, args, phases)
                         else:
                             timed = time_eager(env, cfg, comm, sets, args, phases)
+                            if hooks:
+                                halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
                 finally:
                     with phases("close"):
@@ -219,19 +239,20 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     failures += 1
                     report.failure(resolved, layout, tokens, problems)
                     continue
-                stats = gather_objects(env, ([percentiles(timed[0]), percentiles(timed[1])], phases.take(),
-                                             phases.total))
+                ops = ("dispatch", "combine") + (HALF_OPS if halves is not None else ())
+                samples = [*timed, *(halves or ())]
+                stats = gather_objects(env, ([percentiles(s) for s in samples], phases.take(), phases.total))
                 row_phases = max_over_ranks([s[1] for s in stats])
                 rows = []
-                for i, op in enumerate(("dispatch", "combine")):
+                for i, op in enumerate(ops):
                     p50 = max(s[0][i][0] for s in stats)
                     p90 = max(s[0][i][1] for s in stats)
-                    per_token = _dispatch_bytes_per_token(cfg) if op == "dispatch" else cfg.hidden * cfg.dtype.itemsize
+                    per_token = _bytes_per_token(cfg, op)
                     rows.append({
                         "backend": resolved, "op": op, "layout": layout, "tokens": tokens, "hidden": args.hidden,
                         "top_k": args.topk, "experts": args.experts, "dtype": args.dtype,
                         "p50_us": round(p50, 3), "p90_us": round(p90, 3),
-                        "gbps": _sig(mean_remote * per_token / (p50 * 1e-6) / 1e9) if p50 > 0 else None,
+                        "gbps": _sig(mean_remote * per_token / (p50 * 1e-6) / 1e9) if p50 > 0 and per_token else None,
                         "sms": sms, **base, "ratio": round(p50 / base_p50, 3) if base_p50 > 0 else None,
                         "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
                         "phase_s": row_phases,
@@ -264,11 +285,23 @@ def _sig(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def _dispatch_bytes_per_token(cfg) -> int:
-    """What one token puts on the wire in dispatch: fp8 payload + its scales, or hidden × dtype."""
-    if cfg.quant == "fp8":
-        return cfg.hidden + (cfg.hidden // FP8_SCALE_BLOCK) * 4
-    return cfg.hidden * cfg.dtype.itemsize
+def _bytes_per_token(cfg: EPConfig, op: str) -> Optional[int]:
+    """What one token puts on the wire in ``op``: for dispatch fp8 payload + its scales, or hidden × dtype;
+    for combine hidden × dtype.  None for a half of a split call: its transfer is not confined to one
+    half (the receive half may wait for sends still landing), so bytes ÷ a half's time is no bandwidth."""
+    if op == "dispatch":
+        if cfg.quant == "fp8":
+            return cfg.hidden + (cfg.hidden // FP8_SCALE_BLOCK) * 4
+        return cfg.hidden * cfg.dtype.itemsize
+    if op == "combine":
+        return cfg.hidden * cfg.dtype.itemsize
+    return None
+
+
+def _recv_hooks(comm: Communicator) -> bool:
+    """Whether the communicator's backend object splits calls at a receive hook (attribute ``recv_hooks``,
+    kernel backends); asking first avoids the EPConfigError a collective backend raises."""
+    return bool(getattr(getattr(comm, "_impl", None), "recv_hooks", False))
 
 
 def _sms_used(comm: Communicator) -> Optional[int]:

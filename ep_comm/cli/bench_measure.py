@@ -1,4 +1,5 @@
-"""What ``ep-comm bench`` measures with: inputs, the oracle gate, and the eager / graph / baseline timers.
+"""What ``ep-comm bench`` measures with: inputs, the oracle gate, and the eager / graph / baseline timers
+(and, for ``--recv-hook``, the timers of each half of a split call).
 
 Kept cheap at large world sizes on purpose (a new cluster's first command must start quickly):
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from typing import Any, Optional, Sequence
 
@@ -135,18 +137,25 @@ class OracleGate:
             )
         return self._cases[key]
 
-    def check(self, cfg: EPConfig, comm: Communicator) -> list[str]:
-        """Problems of every rank (empty: the backend matches the oracle)."""
+    def check(self, cfg: EPConfig, comm: Communicator, hooks: bool = False) -> list[str]:
+        """Problems of every rank (empty: the backend matches the oracle).
+
+        ``hooks``: check the split calls instead (``return_recv_hook=True``, each hook run before the
+        result is read), the path ``--recv-hook`` times; a problem there is tagged ``(recv hook)``.
+        """
         env, case = self.env, self.case(cfg.max_tokens_per_rank, cfg.quant)
+        dispatch = functools.partial(hooked_dispatch, comm) if hooks else comm.dispatch
+        combine = functools.partial(hooked_combine, comm) if hooks else comm.combine
+        tag = " (recv hook)" if hooks else ""
         problems: list[str] = []
         try:
             mine = case.mine
-            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
-            problems += [f"dispatch: {p}" for p in check_dispatch(cfg, d, case.expected_dispatch)]
-            y = comm.combine(expert_outputs(cfg, env.rank, env.world_size, d), d)
+            d = dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+            problems += [f"dispatch{tag}: {p}" for p in check_dispatch(cfg, d, case.expected_dispatch)]
+            y = combine(expert_outputs(cfg, env.rank, env.world_size, d), d)
             if self.args.inject_fault and env.rank == env.world_size - 1 and y.shape[0]:
                 y[0] += 1.0  # deliberately wrong: proves a wrong backend is caught, not timed
-            problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, case.expected_combine)]
+            problems += [f"combine{tag}: {p}" for p in oracle.compare_combine(cfg, y, case.expected_combine)]
         except EPError as exc:  # typed library errors are findings; anything else is a crash worth a traceback
             problems.append(f"{type(exc).__name__}: {exc}")
         return [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
@@ -359,6 +368,134 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
     comm.check_errors()
     barrier.book(phases, "timing", t_start)
     return (disp, comb), []
+
+
+# -- receive hooks (--recv-hook) ---------------------------------------------------------------------------
+#: the halves of split calls that ``--recv-hook`` times, in row order
+HALF_OPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+HalfTimes = tuple[list[float], list[float], list[float], list[float]]
+
+
+def hooked_dispatch(comm: Communicator, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    x_scales: Optional[torch.Tensor] = None) -> Dispatched:
+    """A split dispatch with its receive hook run at once: the complete result, by the hook path."""
+    d, hook = comm.dispatch(x, topk_ids, topk_weights, x_scales, return_recv_hook=True)
+    hook()
+    return d
+
+
+def hooked_combine(comm: Communicator, expert_out: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    """A split combine with its receive hook run at once."""
+    y, hook = comm.combine(expert_out, d, return_recv_hook=True)
+    hook()
+    return y
+
+
+def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet],
+                     args: argparse.Namespace, phases: Phases) -> HalfTimes:
+    """Per-half µs of eager split calls (``HALF_OPS`` order), timed like ``time_eager`` times whole calls:
+    one host line-up per iteration, then the four halves back to back, each between its own stamps."""
+    cache: dict = {}
+    with phases("warmup"):
+        for _ in range(args.warmup):
+            d = hooked_dispatch(comm, sets[0].inp.x, sets[0].inp.topk_ids, sets[0].inp.topk_weights,
+                                sets[0].inp.x_scales)
+            hooked_combine(comm, _expert_buffer(cache, cfg, d, env.device), d)
+    phases.started("timing")
+    t_start, barrier = time.perf_counter(), LinedUp(env)
+    timer = Timer(env.device)
+    for rs, n in zip(sets, split_iters(args)):
+        inp = rs.inp
+        for _ in range(n):
+            barrier()
+            t0 = timer.stamp()
+            d, d_hook = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights, inp.x_scales, return_recv_hook=True)
+            t1 = timer.stamp()
+            d_hook()
+            t2 = timer.stamp()
+            _, c_hook = comm.combine(_expert_buffer(cache, cfg, d, env.device), d, return_recv_hook=True)
+            t3 = timer.stamp()
+            c_hook()
+            t4 = timer.stamp()
+            timer.add([t0, t1, t2, t3, t4])
+    d_send, d_recv, c_send, c_recv = timer.sections_us()
+    barrier.book(phases, "timing", t_start)
+    return d_send, d_recv, c_send, c_recv
+
+
+def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet],
+                     args: argparse.Namespace, phases: Phases) -> tuple[Optional[HalfTimes], list[str]]:
+    """Capture each half of a split dispatch and combine as its own CUDA graph (four graphs), check a
+    replay against the eager hook path, then time replays like ``time_graph``.
+
+    Every iteration replays all four graphs in call order (send, receive, send, receive), so every
+    rank runs the same call sequence; each replay sits alone between its two events, with the ranks'
+    GPUs lined up (``align_devices``) before it.  A receive half is thus timed with its peers' sends
+    already done: what the hook costs once other work has covered the transfer.
+    """
+    first = sets[0].inp
+    x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
+    cache: dict = {}
+    with phases("warmup"):
+        # eager reference on the same inputs, by the hook path (the one the oracle gate checked with hooks)
+        d = hooked_dispatch(comm, x_s, ids_s, w_s)
+        y_ref = hooked_combine(comm, expert_outputs(cfg, env.rank, env.world_size, d), d).clone()
+        for _ in range(args.warmup):
+            d = hooked_dispatch(comm, x_s, ids_s, w_s)
+            hooked_combine(comm, _expert_buffer(cache, cfg, d, env.device), d)
+    with phases("capture"):
+        host_barrier(env)
+        graphs = [torch.cuda.CUDAGraph() for _ in HALF_OPS]
+        # thread_local: the NCCL watchdog thread may query events of earlier eager work mid-capture.
+        # The hook launches on the stream current when it is called: in its own capture, its own graph.
+        with torch.cuda.graph(graphs[0], capture_error_mode="thread_local"):
+            d_s, d_hook = comm.dispatch(x_s, ids_s, w_s, return_recv_hook=True)
+        with torch.cuda.graph(graphs[1], capture_error_mode="thread_local"):
+            d_hook()
+        eo_s = torch.zeros_like(_expert_buffer(cache, cfg, d_s, env.device))
+        with torch.cuda.graph(graphs[2], capture_error_mode="thread_local"):
+            y_s, c_hook = comm.combine(eo_s, d_s, return_recv_hook=True)
+        with torch.cuda.graph(graphs[3], capture_error_mode="thread_local"):
+            c_hook()
+    with phases("replay_check"):
+        host_barrier(env)
+        graphs[0].replay()
+        graphs[1].replay()
+        eo_s.copy_(expert_outputs(cfg, env.rank, env.world_size, d_s))
+        graphs[2].replay()
+        graphs[3].replay()
+        problems: list[str] = []
+        try:
+            comm.check_errors()
+            problems += [f"graph replay (recv hooks) vs eager: {p}"
+                         for p in oracle.compare_combine(cfg, y_s, y_ref.float())]
+        except EPError as exc:
+            problems.append(f"graph replay (recv hooks): {type(exc).__name__}: {exc}")
+        problems = [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
+    if problems:
+        return None, problems
+    phases.started("timing")
+    t_start, barrier = time.perf_counter(), LinedUp(env)
+    timer = Timer(env.device)
+    for rs, n in zip(sets, split_iters(args)):
+        x_s.copy_(rs.inp.x)  # new routing and data into the graphs' static inputs
+        ids_s.copy_(rs.inp.topk_ids)
+        w_s.copy_(rs.inp.topk_weights)
+        for _ in range(n):
+            barrier(hide_launch=True)
+            stamps = []
+            for i, graph in enumerate(graphs):
+                if i:  # as between time_graph's two replays: the next half starts together on every GPU
+                    align_devices(env, hide_launch=True)
+                stamps.append(timer.stamp())
+                graph.replay()
+                stamps.append(timer.stamp())
+            timer.add(stamps)
+    sections = timer.sections_us()[::2]  # the odd sections are the line-ups between halves
+    comm.check_errors()
+    barrier.book(phases, "timing", t_start)
+    d_send, d_recv, c_send, c_recv = sections
+    return (d_send, d_recv, c_send, c_recv), []
 
 
 def time_baseline(env: RankEnv, args: argparse.Namespace, tokens: int) -> tuple[float, float, str]:

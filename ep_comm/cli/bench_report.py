@@ -55,11 +55,13 @@ class Reporter:
         self.active = env.is_root
         self.args = args
         self.on_write = on_write  # tests: called with the document after every rewrite
+        recv_hook = bool(getattr(args, "recv_hook", False))
         # (header, width, right-aligned, key, formatter)
         # widths fit the usual values; a wider value shifts its line instead of delaying the table
         self.columns: list[tuple[str, int, bool, str, Callable[[Any], str]]] = [
             ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
-            ("op", 8, False, "op", str), ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
+            ("op", 13 if recv_hook else 8, False, "op", str),  # 13 fits the halves' names ("dispatch_send")
+            ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
             ("p90_us", 8, True, "p90_us", _num(".1f")), ("GB/s", 7, True, "gbps", _num(".3g")),
             ("SMs", 3, True, "sms", _num("d")),
             (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
@@ -82,7 +84,7 @@ class Reporter:
                 "git_commit": commit, "world_size": env.world_size, "results": self.results,
                 "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
-                "validate_ids": getattr(args, "validate_ids", "on"),
+                "validate_ids": getattr(args, "validate_ids", "on"), "recv_hook": recv_hook,
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
