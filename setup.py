@@ -2,9 +2,9 @@
 
 ep_comm._C (the kernels): EP_COMM_BUILD_CUDA=1 forces the build (and fails loudly if it cannot), =0
 skips it; unset means "build if this torch has CUDA and nvcc is found".
-ep_comm._C_nvshmem (csrc/nvshmem/, the nvshmem backend's host runtime): built alongside _C where the
-NVSHMEM wheel (nvidia-nvshmem-cu12/13, the extra `nvshmem`) or $NVSHMEM_DIR is found;
-EP_COMM_BUILD_NVSHMEM=0|1 forces it off/on.  Everything else lives in pyproject.toml.
+ep_comm._C_nvshmem (csrc/nvshmem/: the nvshmem backend's NVSHMEM runtime and the kernels again, with
+put mode, -rdc): built alongside _C where the NVSHMEM wheel (nvidia-nvshmem-cu12/13, the extra
+`nvshmem`) or $NVSHMEM_DIR is found; EP_COMM_BUILD_NVSHMEM=0|1 forces it off/on.  Everything else lives in pyproject.toml.
 """
 import glob
 import importlib.util
@@ -48,19 +48,25 @@ def _nvshmem_dir():
 
 
 def _nvshmem_extension(nvshmem: str):
-    from torch.utils.cpp_extension import CUDA_HOME, CppExtension
+    """ep_comm._C_nvshmem: the NVSHMEM runtime and the kernels built again with put mode (-rdc, linked
+    against libnvshmem_device.a; the ``nvcc_dlink`` entry makes torch add the device-link step)."""
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     cuda_inc = os.path.join(CUDA_HOME or "/usr/local/cuda", "include")
     lib = os.path.join(nvshmem, "lib")
-    # the wheel ships only the versioned soname: link that file, the one torch already loads
-    return CppExtension(
+    return CUDAExtension(
         name="ep_comm._C_nvshmem",
-        sources=sorted(glob.glob("csrc/nvshmem/*.cpp")),
-        # CUDA 13's headers that NVSHMEM's include need cuda/std/* from cccl
-        include_dirs=[os.path.join(nvshmem, "include"), cuda_inc, os.path.join(cuda_inc, "cccl")],
+        sources=sorted(glob.glob("csrc/nvshmem/*.cpp") + glob.glob("csrc/nvshmem/*.cu")),
+        # CUDA 13's headers that NVSHMEM's include need cuda/std/* from cccl (host compiler)
+        include_dirs=[os.path.abspath("csrc"), os.path.join(nvshmem, "include"), os.path.join(cuda_inc, "cccl")],
         library_dirs=[lib],
-        extra_compile_args=["-O2", "-std=c++17"],
-        extra_link_args=["-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17", "-DEP_COMM_NVSHMEM"],
+            "nvcc": ["-O3", "-lineinfo", "-std=c++17", "-rdc=true", "-DEP_COMM_NVSHMEM"],
+            "nvcc_dlink": ["-dlink", f"-L{lib}", "-lnvshmem_device"],
+        },
+        # the wheel ships only the versioned soname: link that file, the one torch already loads
+        extra_link_args=["-l:libnvshmem_host.so.3", "-l:libnvshmem_device.a", f"-Wl,-rpath,{lib}"],
     )
 
 

@@ -34,7 +34,8 @@ else
   if [ $rc -eq 0 ]; then
     for f in ep_comm/_C*$suffix; do n=$(basename "$f" "$suffix"); gzip -c "$f" > "$OUT/$n-$hash.so.gz"; done
   else
-    grep -E "error|Error" "$OUT/install.log" | head -20
+    grep -E "error|Error" "$OUT/install.log" | head -20 | tee -a "$OUT/summary.txt"
+    exit 1  # nothing below can run without the extensions; don't spend device time on it
   fi
 fi
 python3 -c "from ep_comm.backends import kernel_ops as k; from ep_comm.memory import nvshmem_heap as n; print('kernels:', k.unavailable_reason() or 'ok', '| nvshmem:', n.unavailable_reason() or n.runtime_summary())" 2>&1 | tee -a "$OUT/summary.txt"

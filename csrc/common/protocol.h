@@ -82,6 +82,10 @@ enum : int {
   kCfgTracePtr,      // device uint64 [2 ops][num_blocks][kTraceSlots] of globaltimer stamps, or 0 (off)
   kCfgGroupFlagsOffset,  // [2][world][max_groups] u64: per group of kGroupTokens tokens (combine, prefill)
   kCfgCombineGrouped,    // 1: combine signals and sums per group (kernel_protocol.py decides when)
+  kCfgPutMode,           // 1: peers reached by NVSHMEM puts/signals from staging rows (nvshmem build only)
+  kCfgStageOffset,       // put mode: [world][max_tokens] dispatch rows staged per destination
+  kCfgStageCombineOffset,  // put mode: [world][max_tokens] combine partials staged per owner
+  kCfgStageCountsOffset,   // put mode: [world][num_local] int32 counts staged per destination
   kCfgLen
 };
 

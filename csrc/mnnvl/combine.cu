@@ -5,7 +5,7 @@
 #include "mnnvl/kernel_common.cuh"
 
 namespace ep_comm {
-namespace mnnvl {
+namespace EP_KERNELS {
 namespace {
 
 // ---- combine ------------------------------------------------------------------------------------------
@@ -106,10 +106,16 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
   const int hi = min(L.hidden, lo + p.chunk_elems);
   const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, src_rows, w, lane);
   if (n == 0) return;
-  Tout* dst = reinterpret_cast<Tout*>(peer_ptr(p.c, src) + L.combine_offset[parity] +
-                                      (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride);
+  const int64_t off = L.combine_offset[parity] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride;
+  // put mode: summed into this rank's staging partial of (src, t), then put to the same place
+  const int64_t staged = L.stage_combine_offset + (static_cast<int64_t>(src) * L.max_tokens + t) * L.combine_stride;
+  Tout* dst = reinterpret_cast<Tout*>(put_mode(L) ? own_at(p.c, staged) : peer_ptr(p.c, src) + off);
   sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
   __syncwarp();
+  if (put_mode(L)) {
+    const int64_t b = static_cast<int64_t>(sizeof(Tout));
+    put_warp(p.c, off + lo * b, (hi - lo) * b, staged + lo * b, src);
+  }
 }
 
 // Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial.
@@ -236,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
-  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth) {
+  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth && !put_mode(L)) {  // (never grouped in put mode)
     combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
     stamp(L, kTraceCombine, kTrSent, true);
     // the call flag still goes out (peers on another call see it), but nothing here waits for it
@@ -260,6 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),
                                   parity, s_src[warp], s_w[warp], lane);
   }
+  if (put_mode(L)) put_quiet();
 
   stamp(L, kTraceCombine, kTrSent, true);
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
@@ -314,5 +321,5 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
   return cudaGetLastError();
 }
 
-}  // namespace mnnvl
+}  // namespace EP_KERNELS
 }  // namespace ep_comm

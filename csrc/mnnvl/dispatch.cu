@@ -5,7 +5,7 @@
 #include "mnnvl/kernel_common.cuh"
 
 namespace ep_comm {
-namespace mnnvl {
+namespace EP_KERNELS {
 
 Layout layout_from_cfg(const int64_t* cfg) {
   Layout l;
@@ -35,6 +35,10 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.trace = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(cfg[kCfgTracePtr]));
   l.group_flags_offset = cfg[kCfgGroupFlagsOffset];
   l.max_groups = max_groups(l.max_tokens);
+  l.put = static_cast<int>(cfg[kCfgPutMode]);
+  l.stage_offset = cfg[kCfgStageOffset];
+  l.stage_combine_offset = cfg[kCfgStageCombineOffset];
+  l.stage_counts_offset = cfg[kCfgStageCountsOffset];
   return l;
 }
 
@@ -165,6 +169,34 @@ __device__ __forceinline__ bool wait_u32(const uint32_t* p, uint32_t want, uint6
   }
 }
 
+// put mode: offset of the staging row of (destination, token) in this rank's buffer
+__device__ __forceinline__ int64_t stage_row_off(const Layout& L, int dest, int t) {
+  return L.stage_offset + (static_cast<int64_t>(dest) * L.max_tokens + t) * L.row_stride;
+}
+
+// put mode: what this warp just wrote into the staging rows of its ``nd`` destinations (``dest_rank``),
+// to the row at ``row_off`` of each: the meta with piece 0, payload bytes [lo, hi) and their scales
+// (fp8: the piece's own 128-channel blocks; carried scales: all of them with piece 0).
+template <int kQuant>
+__device__ __forceinline__ void put_staged_piece(const DispatchParams& p, int64_t row_off, int t, int chunk,
+                                                 int64_t lo, int64_t hi, const int* dest_rank, int nd) {
+  const Layout& L = p.c.lay;
+  int64_t s_lo = 0, s_hi = 0;
+  if (kQuant >= 0) {
+    s_lo = lo / 128 * 4;
+    s_hi = (hi + 127) / 128 * 4;
+  } else if (chunk == 0) {
+    s_hi = p.scale_bytes;
+  }
+  for (int i = 0; i < nd; ++i) {
+    const int d = dest_rank[i];
+    const int64_t stage = stage_row_off(L, d, t);
+    if (chunk == 0) put_warp(p.c, row_off, L.payload_offset, stage, d);
+    put_warp(p.c, row_off + L.payload_offset + lo, hi - lo, stage + L.payload_offset + lo, d);
+    put_warp(p.c, row_off + L.scale_offset + s_lo, s_hi - s_lo, stage + L.scale_offset + s_lo, d);
+  }
+}
+
 template <int kQuant, bool kIds64>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
   const Layout& L = p.c.lay;
@@ -215,10 +247,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         }
       }
     }
+    // the row's offset in its owner's buffer; put mode writes it to this rank's staging row first
+    const int64_t row_off = L.dispatch_offset[parity] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
     if (remote) {
       const int i = __popc(remote_mask & lanes_below(lane));
-      uint8_t* row = peer_ptr(p.c, r.owner_rank) + L.dispatch_offset[parity] +
-                     (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
+      uint8_t* row = put_mode(L) ? own_at(p.c, stage_row_off(L, r.owner_rank, t))
+                                 : peer_ptr(p.c, r.owner_rank) + row_off;
       dst[i] = row + L.payload_offset;
       dst_s[i] = row + L.scale_offset;
       s_dst_rank[warp][i] = r.owner_rank;
@@ -244,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const int64_t lo = chunk * p.chunk_bytes;
     const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
     send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote, lane);
+    if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
 
     // own share: this rank's source comes first in its own batched layout, so slot = index
     const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
@@ -261,17 +296,28 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   }
 
   // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
+  if (put_mode(L)) put_quiet();
   stamp(L, kTraceDispatch, kTrSent, true);
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
   stamp(L, kTraceDispatch, kTrArrived);
   if (a.last) {
     for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
       const int peer = i / nl;
-      int32_t* counts = reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]);
+      int32_t* counts = put_mode(L) && peer != L.rank
+                            ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i - L.rank * nl
+                            : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]);
       counts[L.rank * nl + i % nl] = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
       p.send_count[i] = 0;  // ready for the next call
     }
     __syncthreads();
+    if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
+      const int64_t bytes = static_cast<int64_t>(nl) * 4;
+      for (int peer = warp; peer < L.world; peer += kWarps)
+        if (peer != L.rank)
+          put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
+      put_quiet();
+      __syncthreads();
+    }
     signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
     stamp(L, kTraceDispatch, kTrSignalled);
   }
@@ -416,5 +462,5 @@ cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num
   return cudaGetLastError();
 }
 
-}  // namespace mnnvl
+}  // namespace EP_KERNELS
 }  // namespace ep_comm

@@ -5,8 +5,13 @@
 #include "common/device.cuh"
 #include "mnnvl/mnnvl.cuh"
 
+#ifdef EP_COMM_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
 namespace ep_comm {
-namespace mnnvl {
+namespace EP_KERNELS {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
@@ -17,6 +22,34 @@ __device__ __forceinline__ uint8_t* peer_ptr(const Common& c, int r) {
 
 __device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int parity, int src) {
   return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.flags_offset) + parity * c.lay.world + src;
+}
+
+// ---- put mode (mnnvl.cuh): the compiler drops all of it outside the NVSHMEM build ----------------------
+__device__ __forceinline__ bool put_mode(const Layout& L) {
+#ifdef EP_COMM_NVSHMEM
+  return L.put != 0;
+#else
+  return false;
+#endif
+}
+
+// This rank's address of the symmetric object at byte ``off`` of the buffer (what NVSHMEM calls take
+// for the peer's copy at the same offset).
+__device__ __forceinline__ uint8_t* own_at(const Common& c, int64_t off) { return peer_ptr(c, c.lay.rank) + off; }
+
+// Bytes [off, off + n) of this rank's buffer (staged there) to the same offset of rank ``pe``'s buffer;
+// one warp, non-blocking: the staging bytes must stay until put_quiet().
+__device__ __forceinline__ void put_warp(const Common& c, int64_t off, int64_t n, int64_t staged_off, int pe) {
+#ifdef EP_COMM_NVSHMEM
+  if (n > 0) nvshmemx_putmem_nbi_warp(own_at(c, off), own_at(c, staged_off), static_cast<size_t>(n), pe);
+#endif
+}
+
+// Completes this thread's puts (before the grid arrival that precedes the signals).
+__device__ __forceinline__ void put_quiet() {
+#ifdef EP_COMM_NVSHMEM
+  nvshmem_quiet();
+#endif
 }
 
 // The call a kernel belongs to, from the device-side call counter: its number, flag code and buffer
@@ -48,10 +81,17 @@ __device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sy
 // Signal every peer (and this rank) that this launch's sends are complete.  Called by the last
 // block to arrive; each thread releases its own flag so the NVLink round trips overlap.
 __device__ __forceinline__ void signal_all(const Common& c, int parity, uint64_t value) {
-  for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x)
+  for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+#ifdef EP_COMM_NVSHMEM
+    if (put_mode(c.lay) && peer != c.lay.rank) {  // ordered after this rank's quieted puts
+      nvshmemx_signal_op(flag_slot(c, c.lay.rank, parity, c.lay.rank), value, NVSHMEM_SIGNAL_SET, peer);
+      continue;
+    }
+#endif
     st_release_sys(flag_slot(c, peer, parity, c.lay.rank), value);
+  }
 }
 
 }  // namespace
-}  // namespace mnnvl
+}  // namespace EP_KERNELS
 }  // namespace ep_comm

@@ -13,6 +13,13 @@
 //                                 rank s computed, written by s at [s][t] of the token's owner
 // A rank may start call seq+2 only after every peer signalled call seq+1, which a peer does only
 // after finishing call seq; so two parities make the buffers reusable without a barrier.
+//
+// Put mode (the nvshmem backend's network path; only in the NVSHMEM build, EP_COMM_NVSHMEM, which
+// compiles these kernels a second time into ep_comm._C_nvshmem with -rdc): peers are not mapped.
+// What would be stored into a peer's buffer is written to a staging copy in this rank's own buffer
+// (stage rows [world][max_tokens], staged partials [world][max_tokens], staged counts [world][L]) and
+// moved with NVSHMEM puts to the same offset of the peer's buffer; every thread quiets its puts before
+// the grid arrival, and flags travel as NVSHMEM signals.  PE numbers are the ranks.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,8 +28,15 @@
 
 #include "common/protocol.h"
 
+// The NVSHMEM build gets its own namespace: two extensions define these kernels.
+#ifdef EP_COMM_NVSHMEM
+#define EP_KERNELS nvshmem_kernels
+#else
+#define EP_KERNELS mnnvl
+#endif
+
 namespace ep_comm {
-namespace mnnvl {
+namespace EP_KERNELS {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -34,6 +48,8 @@ struct Layout {
   int64_t flags_offset, dispatch_offset[2], combine_offset[2], counts_offset[2], combine_stride;
   int64_t group_flags_offset;
   int max_groups;
+  int put;  // put mode (above); always 0 outside the NVSHMEM build
+  int64_t stage_offset, stage_combine_offset, stage_counts_offset;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped
   uint64_t* trace;   // phase stamps or null (protocol.h, kCfgTracePtr)
@@ -100,5 +116,5 @@ cudaError_t launch_abort(const Common& c, cudaStream_t stream);
 cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num_experts, int32_t* flag,
                              cudaStream_t stream);
 
-}  // namespace mnnvl
+}  // namespace EP_KERNELS
 }  // namespace ep_comm

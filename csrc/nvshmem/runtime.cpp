@@ -1,11 +1,13 @@
-// ep_comm._C_nvshmem: the NVSHMEM host runtime the nvshmem backend needs (ep_comm/memory/nvshmem_heap.py).
+// ep_comm._C_nvshmem's NVSHMEM host runtime (ep_comm/memory/nvshmem_heap.py): start/join, heap,
+// peer addresses, finalise.
 //
 // Built by setup.py only where the NVSHMEM wheel (nvidia-nvshmem-cu12/13) is installed, and linked
 // against that wheel's libnvshmem_host.so.3, the copy `import torch` already loads, so the process
-// holds one NVSHMEM.  Host code only: the backend's kernels are the mnnvl kernels, storing through
-// the peer pointers nvshmem_ptr() returns, so nothing here needs -rdc or NVSHMEM's device library.
-// Initialisation goes through nvshmemx_hostlib_init_attr, which returns a status; the header's
-// nvshmem_init()/nvshmemx_init_attr() call exit() on failure, which a library must never do.
+// holds one NVSHMEM.  The extension also carries device code (the kernels' put mode, -rdc with
+// libnvshmem_device.a), so it starts NVSHMEM through nvshmemi_init_thread, which registers this
+// module's device state with the host library; the header's nvshmem_init()/nvshmemx_init_attr() wrap
+// the same call but exit() on failure, which a library must never do.  A second call on a running
+// NVSHMEM only registers the device state and counts a reference; nvshmemi_finalize drops it.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -15,12 +17,17 @@
 
 #include <cuda_runtime.h>
 
+#include "common/protocol.h"
 #include "host/nvshmem_api.h"
 #include "host/nvshmemx_api.h"
 
 namespace py = pybind11;
 
 namespace {
+
+nvshmemi_version_t library_version() {
+  return nvshmemi_version_t{NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION, NVSHMEM_VENDOR_PATCH_VERSION};
+}
 
 py::bytes unique_id() {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
@@ -41,7 +48,17 @@ int init(const std::string& uid, int rank, int world) {
   py::gil_scoped_release release;
   int rc = nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr);
   if (rc != 0) return rc;
-  return nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  int provided = 0;
+  return nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr,
+                              library_version());
+}
+
+// An NVSHMEM someone else started (torch symmetric memory, the engine): register this module's
+// device state and take a reference.
+int attach() {
+  py::gil_scoped_release release;
+  int provided = 0;
+  return nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, library_version());
 }
 
 // Collective: every PE allocates the same size.  0 when the symmetric heap is too small.
@@ -67,9 +84,10 @@ void barrier_all() {
   nvshmem_barrier_all();
 }
 
+// Drops this module's reference (the last one finalises NVSHMEM; collective then).
 void finalize() {
   py::gil_scoped_release release;
-  nvshmemx_hostlib_finalize();
+  nvshmemi_finalize();
 }
 
 }  // namespace
@@ -79,6 +97,7 @@ PYBIND11_MODULE(_C_nvshmem, m) {
   m.def("unique_id", &unique_id, "a new NVSHMEM unique id (bytes), to broadcast from rank 0");
   m.def("init", &init, py::arg("uid"), py::arg("rank"), py::arg("world"),
         "join NVSHMEM as PE rank of world with the unique id; returns NVSHMEM's status (0: ok)");
+  m.def("attach", &attach, "join an NVSHMEM started elsewhere (registers this module); returns the status");
   m.def("init_status", [] { return nvshmemx_init_status(); }, "nvshmemx_init_status()");
   m.def("my_pe", [] { return nvshmem_my_pe(); });
   m.def("n_pes", [] { return nvshmem_n_pes(); });
@@ -86,7 +105,8 @@ PYBIND11_MODULE(_C_nvshmem, m) {
   m.def("free", &heap_free, py::arg("ptr"), "collective nvshmem_free");
   m.def("ptr", &peer_ptr, py::arg("ptr"), py::arg("pe"), "nvshmem_ptr: peer address or 0");
   m.def("barrier_all", &barrier_all);
-  m.def("finalize", &finalize, "nvshmemx_hostlib_finalize");
+  m.def("finalize", &finalize, "drop this module's NVSHMEM reference (nvshmemi_finalize)");
+  m.attr("CFG_LEN") = static_cast<int>(ep_comm::kCfgLen);
   m.attr("STATUS_IS_INITIALIZED") = static_cast<int>(NVSHMEM_STATUS_IS_INITIALIZED);
   m.attr("VERSION") = std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) +
                       "." + std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);

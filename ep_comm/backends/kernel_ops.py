@@ -11,6 +11,8 @@ so a compiled function traces through them without a graph break.
     mnnvl_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg, phases=3) -> ()
         phases: 1 send half, 2 receive half, 3 both (kernel_protocol.PHASE_*)
     mnnvl_abort(state!, peer_base, cfg) -> ()
+    nvshmem_dispatch / nvshmem_dispatch_recv / nvshmem_combine / nvshmem_abort: the same ops from
+        ep_comm._C_nvshmem (the kernels built with NVSHMEM; cfg[PUT_MODE] = 1 moves data with puts)
     check_ids(topk_ids, num_experts, flag_ptr) -> ()
     collective_combine_partial(expert_out, dest, weights, out!) -> ()   (naive/ag_rs batched combine)
 
@@ -28,7 +30,7 @@ import torch
 
 from . import kernel_protocol as kp
 
-__all__ = ["extension", "unavailable_reason", "MappedWords"]
+__all__ = ["extension", "unavailable_reason", "nvshmem_ops_reason", "MappedWords"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,10 +105,49 @@ def _arena() -> tuple[np.ndarray, int]:
     return tensor.numpy(), int(base)
 
 
+def nvshmem_ops_reason() -> str:
+    """'' when the nvshmem_* ops (ep_comm._C_nvshmem) are loaded and their fakes registered, else why not."""
+    return _load_nvshmem_ops()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_nvshmem_ops() -> str:
+    why = unavailable_reason()
+    if why:
+        return why
+    from ..memory import nvshmem_heap
+
+    ext, why = nvshmem_heap.extension()
+    if ext is None:
+        return why
+    if int(ext.CFG_LEN) != kp.CFG_LEN:
+        return (f"ep_comm._C_nvshmem was built from other sources (config length {ext.CFG_LEN}, expected "
+                f"{kp.CFG_LEN}): reinstall the package")
+    _register_kernel_op_fakes("nvshmem")
+    return ""
+
+
 def _register_fakes() -> None:
     lib = "ep_comm::"
+    _register_kernel_op_fakes("mnnvl")
 
-    @torch.library.register_fake(lib + "mnnvl_dispatch")
+    @torch.library.register_fake(lib + "check_ids")
+    def _check_fake(topk_ids, num_experts, flag_ptr):
+        return None
+
+    # collective backends (naive, ag_rs): fused batched-combine partial sums.  An extension built
+    # before this op existed lacks it; the collective path then stays on torch ops.
+    if hasattr(torch.ops.ep_comm, "collective_combine_partial"):
+        @torch.library.register_fake(lib + "collective_combine_partial")
+        def _collective_combine_partial_fake(expert_out, dest, weights, out):
+            return None
+
+
+def _register_kernel_op_fakes(prefix: str) -> None:
+    """Fakes of one kernel backend's ops (``<prefix>_dispatch`` etc., one schema for both backends)."""
+    lib = f"ep_comm::{prefix}"
+
+    @torch.library.register_fake(lib + "_dispatch")
     def _dispatch_fake(x, topk_ids, topk_weights, x_scales, state, work, peer_base, expert_owner, cfg: Sequence[int],
                        phases: int = kp.PHASE_BOTH):
         world, max_tokens, k = cfg[kp.WORLD], cfg[kp.MAX_TOKENS], cfg[kp.TOP_K]
@@ -129,27 +170,16 @@ def _register_fakes() -> None:
         dest = x.new_empty((x.shape[0], k), dtype=torch.int32)
         return out_x, out_s, row_ids, row_w, row_slot, counts, dest
 
-    @torch.library.register_fake(lib + "mnnvl_dispatch_recv")
+    @torch.library.register_fake(lib + "_dispatch_recv")
     def _dispatch_recv_fake(x, x_scales, state, work, peer_base, out_x, out_scales, row_ids, row_w, row_slot,
                             counts, cfg):
         return None
 
-    @torch.library.register_fake(lib + "mnnvl_combine")
+    @torch.library.register_fake(lib + "_combine")
     def _combine_fake(expert_out, row_ids, row_w, row_slot, dest, state, peer_base, out, cfg,
                       phases: int = kp.PHASE_BOTH):
         return None
 
-    @torch.library.register_fake(lib + "mnnvl_abort")
+    @torch.library.register_fake(lib + "_abort")
     def _abort_fake(state, peer_base, cfg):
         return None
-
-    @torch.library.register_fake(lib + "check_ids")
-    def _check_fake(topk_ids, num_experts, flag_ptr):
-        return None
-
-    # collective backends (naive, ag_rs): fused batched-combine partial sums.  An extension built
-    # before this op existed lacks it; the collective path then stays on torch ops.
-    if hasattr(torch.ops.ep_comm, "collective_combine_partial"):
-        @torch.library.register_fake(lib + "collective_combine_partial")
-        def _collective_combine_partial_fake(expert_out, dest, weights, out):
-            return None

@@ -18,7 +18,7 @@ from ..config import EPConfig
  PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
  COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
  OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, GROUP_FLAGS_OFFSET, COMBINE_GROUPED,
- CFG_LEN) = range(32)
+ PUT_MODE, STAGE_OFFSET, STAGE_COMBINE_OFFSET, STAGE_COUNTS_OFFSET, CFG_LEN) = range(36)
 
 # halves of a call (protocol.h, kPhase*): return_recv_hook launches them separately
 PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
@@ -93,13 +93,21 @@ class BufferLayout:
     combine_offset: tuple[int, int]
     counts_offset: tuple[int, int]
     nbytes: int
+    # put mode (nvshmem network path): staging for rows, partials and counts, per destination; 0 otherwise
+    stage_offset: int = 0
+    stage_combine_offset: int = 0
+    stage_counts_offset: int = 0
 
     @property
     def scale_offset(self) -> int:
         return self.meta_bytes + _align(self.payload_max)
 
+    @property
+    def put_mode(self) -> bool:
+        return self.stage_offset != 0
+
     @classmethod
-    def for_config(cls, cfg: EPConfig, world: int) -> "BufferLayout":
+    def for_config(cls, cfg: EPConfig, world: int, put_mode: bool = False) -> "BufferLayout":
         k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
         meta = _align(ROW_HEADER_BYTES + 12 * k)
         payload_max = hidden * cfg.dtype.itemsize
@@ -118,8 +126,12 @@ class BufferLayout:
         c0 = d0 + dispatch
         d1 = c0 + combine
         c1 = d1 + dispatch
+        end = c1 + combine
+        stages = (end, end + dispatch, end + dispatch + combine) if put_mode else (0, 0, 0)
+        if put_mode:
+            end += dispatch + combine + counts
         return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, flags, max_groups,
-                   (d0, d1), (c0, c1), (n0, n1), c1 + combine)
+                   (d0, d1), (c0, c1), (n0, n1), end, *stages)
 
     def work_numel(self, num_local: int) -> int:
         """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
@@ -142,7 +154,11 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[GROUP_FLAGS_OFFSET] = layout.group_flags_offset
     forced = os.environ.get(COMBINE_GROUPED_ENV)
     by_size = cfg.layout == "standard" and cfg.max_tokens_per_rank >= GROUPED_MIN_TOKENS
-    v[COMBINE_GROUPED] = int(world > 1 and (forced == "1" or (forced != "0" and by_size)))
+    # put mode signals once per call (no per-group signals)
+    v[COMBINE_GROUPED] = int(world > 1 and not layout.put_mode and (forced == "1" or (forced != "0" and by_size)))
+    v[PUT_MODE] = int(layout.put_mode)
+    v[STAGE_OFFSET], v[STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
+    v[STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
     v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[PENDING_PTR] = pending_ptr
     v[COUNT_INVALID] = int(not cfg.validate_ids)

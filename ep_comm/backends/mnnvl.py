@@ -46,6 +46,7 @@ class MnnvlBackend:
     graph_capturable = True
     kernel = True  # routing guard, quantisation and validation of ids happen in the kernels
     recv_hooks = True  # dispatch_split / combine_split: send now, receive when the hook runs
+    ops_prefix = "mnnvl"  # torch.ops.ep_comm.<prefix>_dispatch etc.
 
     def __init__(self, ctx: BackendContext, buffer: SymmetricBuffer, layout: kp.BufferLayout, num_blocks: int):
         self.ctx = ctx
@@ -62,6 +63,11 @@ class MnnvlBackend:
         owners = torch.arange(ctx.cfg.num_experts, dtype=torch.int32)
         self.expert_owner = ((owners // L) * 65536 + owners % L).to(torch.int32).to(dev)
         self.peer_base = buffer.peer_ptrs
+        ops = torch.ops.ep_comm
+        self._dispatch_op = getattr(ops, f"{self.ops_prefix}_dispatch")
+        self._dispatch_recv_op = getattr(ops, f"{self.ops_prefix}_dispatch_recv")
+        self._combine_kernel_op = getattr(ops, f"{self.ops_prefix}_combine")
+        self._abort_op = getattr(ops, f"{self.ops_prefix}_abort")
         self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks,
                                         self._mapped.device_ptr)
         self._fatal: Optional[EPError] = None
@@ -151,12 +157,12 @@ class MnnvlBackend:
         raw = d.handle.outputs
 
         def receive() -> None:
-            torch.ops.ep_comm.mnnvl_dispatch_recv(x, x_scales, self.state, self.work, self.peer_base, *raw,
+            self._dispatch_recv_op(x, x_scales, self.state, self.work, self.peer_base, *raw,
                                                   self.cfg_vec)
         return d, receive
 
     def _dispatch(self, x, topk_ids, topk_weights, x_scales, epoch: int, phases: int) -> Dispatched:
-        out_x, out_s, row_ids, row_w, row_slot, counts, dest = torch.ops.ep_comm.mnnvl_dispatch(
+        out_x, out_s, row_ids, row_w, row_slot, counts, dest = self._dispatch_op(
             x, topk_ids, topk_weights, x_scales, self.state, self.work, self.peer_base, self.expert_owner, self.cfg_vec,
             phases)
         has_scales = self.ctx.cfg.quant == "fp8" or x_scales is not None
@@ -190,7 +196,7 @@ class MnnvlBackend:
 
     def _combine_op(self, expert_out: torch.Tensor, dispatched: Dispatched, target: torch.Tensor, phases: int) -> None:
         h: KernelHandle = dispatched.handle
-        torch.ops.ep_comm.mnnvl_combine(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
+        self._combine_kernel_op(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
                                         self.peer_base, target, self.cfg_vec, phases)
 
     def abort(self, reason: BaseException) -> None:
@@ -199,7 +205,7 @@ class MnnvlBackend:
         if self._fatal is None:
             self._fatal = EPError(f"communicator unusable: rank {self.ctx.rank} abandoned a call after invalid "
                                   f"input ({type(reason).__name__}: {reason}); create a new Communicator")
-            torch.ops.ep_comm.mnnvl_abort(self.state, self.peer_base, self.cfg_vec)
+            self._abort_op(self.state, self.peer_base, self.cfg_vec)
 
     # -- errors -------------------------------------------------------------------------------------------
     def poll_errors(self) -> None:

@@ -1,14 +1,17 @@
 """``nvshmem``: the one-sided kernels over NVSHMEM's symmetric heap instead of a ``SymmetricBuffer``.
 
-Everything but where the buffer lives is the ``mnnvl`` backend's: the same kernels (routing, both
-layouts, fused fp8, call numbers in the flags, bounded waits, receive hooks, CUDA graphs), reaching
-each peer's copy of the heap through the address ``nvshmem_ptr`` gives (NVLink P2P, mapped by
-NVSHMEM).  For engines that already run NVSHMEM (one heap, one bootstrap), for machines where cuMem
-handle export is refused but NVSHMEM's own mapping works, and as the base of a network put path.
+Everything but the memory and how a peer is reached is the ``mnnvl`` backend's: the same kernels
+(routing, both layouts, fused fp8, call numbers in the flags, bounded waits, receive hooks, CUDA
+graphs), built a second time into ``ep_comm._C_nvshmem`` with NVSHMEM's device library.  A peer is
+reached in one of two ways, the same for every rank of a communicator:
 
-Limits of this version: every peer must be reachable by loads and stores (one host, or an NVLink
-domain NVSHMEM maps); peers behind a network (InfiniBand/RoCE puts) are not supported yet, so the
-backend says it is unavailable there and ``auto`` falls back to ``ag_rs``.
+- **stores** through the address ``nvshmem_ptr`` gives (NVLink P2P, mapped by NVSHMEM): one host;
+- **puts** (put mode): what would be stored into the peer is written to a staging copy in this rank's
+  own heap and moved with ``nvshmemx_putmem_nbi_warp``; flags travel as ``nvshmemx_signal_op``.  Used
+  when the ranks span hosts (InfiniBand/RoCE through NVSHMEM's IBGDA/IBRC transports) or
+  ``NVSHMEM_DISABLE_P2P`` is set; ``EP_COMM_NVSHMEM_PUT=1`` forces it on NVLink peers too (the network
+  code path on one host, for tests).  The buffer is twice as large (staging) and the combine is
+  never grouped.
 """
 from __future__ import annotations
 
@@ -25,14 +28,24 @@ from .base import Availability, BackendContext
 from .mnnvl import NUM_SMS_ENV, MnnvlBackend
 
 
+PUT_ENV = "EP_COMM_NVSHMEM_PUT"  # "1": reach every peer with NVSHMEM puts, even where stores would do
+
+
+def wants_put_mode(ctx: BackendContext) -> bool:
+    """Put mode for this communicator (the same answer on every rank: environment and topology)."""
+    p2p_off = os.environ.get("NVSHMEM_DISABLE_P2P", "0") not in ("", "0")
+    return os.environ.get(PUT_ENV) == "1" or ctx.topology.num_hosts > 1 or p2p_off
+
+
 class NvshmemBackend(MnnvlBackend):
     name = "nvshmem"
+    ops_prefix = "nvshmem"
 
     @classmethod
     def availability(cls, ctx: BackendContext) -> Availability:
         if ctx.device.type != "cuda":
             return Availability(False, f"needs CUDA tensors (this communicator runs on {ctx.device.type})")
-        why = kernel_ops.unavailable_reason() or nvshmem_heap.unavailable_reason()
+        why = kernel_ops.unavailable_reason() or kernel_ops.nvshmem_ops_reason()
         if why:
             return Availability(False, why)
         if ctx.cfg.top_k > kp.MAX_TOP_K:
@@ -40,26 +53,27 @@ class NvshmemBackend(MnnvlBackend):
         if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
             return Availability(False, f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of "
                                        f"{kp.MAX_LOCAL_EXPERTS}")
-        if ctx.topology.num_hosts > 1:
-            return Availability(False, (
-                f"ranks span {ctx.topology.num_hosts} hosts: this version reaches peers only by NVLink "
-                "loads/stores (nvshmem_ptr), not by NVSHMEM network puts; use ag_rs (or mnnvl with an IMEX "
-                "channel on an NVL72)"))
-        if os.environ.get("NVSHMEM_DISABLE_P2P", "0") not in ("", "0"):
-            return Availability(False, "NVSHMEM_DISABLE_P2P is set: peers would need network puts, which this "
-                                       "version does not issue")
         return Availability(True)
 
     @classmethod
     def create(cls, ctx: BackendContext) -> "NvshmemBackend":
-        layout = kp.BufferLayout.for_config(ctx.cfg, ctx.world_size)
+        put = wants_put_mode(ctx)
+        modes = ctx.control.gather_objects(put)
+        if len(set(modes)) != 1:
+            raise EPError(f"nvshmem backend: ranks disagree on put mode ({PUT_ENV} or NVSHMEM_DISABLE_P2P set "
+                          f"on some ranks only): {modes}")
+        layout = kp.BufferLayout.for_config(ctx.cfg, ctx.world_size, put_mode=put)
         num_blocks = kp.default_num_blocks(ctx.cfg, ctx.device, os.environ.get(NUM_SMS_ENV))
-        buf = nvshmem_heap.NvshmemBuffer.create(layout.nbytes, ctx.control, ctx.topology, ctx.device.index)
+        buf = nvshmem_heap.NvshmemBuffer.create(layout.nbytes, ctx.control, ctx.topology, ctx.device.index,
+                                                put_mode=put)
         try:
             # flags and row headers start at zero (no call has code 0) before any peer may write
             buf.local.zero_()
             torch.cuda.synchronize(ctx.device)
             ctx.control.barrier()
+            if put and buf.pes != tuple(range(ctx.world_size)):
+                raise EPError(f"nvshmem backend: put mode needs PE r for rank r; the running NVSHMEM gives "
+                              f"{list(buf.pes)} (it was started for another group)")
             return cls(ctx, buf, layout, num_blocks)
         except BaseException:
             buf.close(collective=False)

@@ -38,6 +38,11 @@ NVSHMEM_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_B
 HEAP_MARGIN = 256 << 20  # headroom over the first communicator's buffer when we size the heap
 
 
+def extension() -> tuple[Optional[Any], str]:
+    """``(ep_comm._C_nvshmem, "")``, or ``(None, why it is missing)``."""
+    return _extension()
+
+
 def _extension() -> tuple[Optional[Any], str]:
     try:
         from .. import _C_nvshmem  # type: ignore[attr-defined]
@@ -58,12 +63,14 @@ def _env_summary() -> str:
 
 
 class _Runtime:
-    """Process-wide NVSHMEM state: who started it, for which group, how many buffers use it."""
+    """Process-wide NVSHMEM state: whether we hold a reference (started it, or attached to one started
+    elsewhere), for which group, how many buffers use it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0
         self.started_here = False
+        self.attached = False
         self.pe_of_rank: Optional[tuple[int, ...]] = None
         self.poisoned = ""  # a peer was lost: collective calls (free, finalize) would block forever
 
@@ -75,7 +82,8 @@ def runtime_summary() -> str:
     ext, why = _extension()
     if ext is None:
         return why
-    state = "started by ep_comm" if _RT.started_here else ("started elsewhere" if _RT.users else "not started")
+    state = ("started by ep_comm" if _RT.started_here else "started elsewhere, attached" if _RT.attached
+             else "not started")
     return f"NVSHMEM {ext.VERSION}, {state}, {_RT.users} buffer(s); {_env_summary()}"
 
 
@@ -126,7 +134,12 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
                       f"({[r for r, v in enumerate(votes) if v[1]]}); start it on all or none")
     with torch.cuda.device(device_index):
         status, text = 0, ""
-        if not reuse:
+        if reuse:
+            with _RT.lock:
+                first = not (_RT.attached or _RT.started_here)
+            if first:  # register our kernels' device state with the running NVSHMEM (one reference)
+                status, text = _captured_stderr(ext.attach)
+        else:
             if topology.num_hosts == 1:
                 # one host: NVLink/P2P reaches every PE, and probing NICs only fails noisily
                 os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
@@ -144,24 +157,28 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
         raise EPError(f"nvshmem backend: the running NVSHMEM gives these ranks the PEs {list(pes)}; each rank of "
                       "the communicator needs its own PE (NVSHMEM was started for another group)")
     with _RT.lock:
-        if not reuse and _RT.users == 0:
+        if not reuse:
             _RT.started_here = True
+        elif not _RT.started_here:
+            _RT.attached = True
         _RT.users += 1
         _RT.pe_of_rank = pes
     return pes
 
 
 def release_runtime(collective: bool) -> None:
-    """One buffer fewer.  The last one finalises an NVSHMEM we started, when ``collective`` (every rank
-    gets here); after a lost peer the runtime is left as it is, since finalising would wait for it."""
+    """One buffer fewer.  The last one drops our reference, when ``collective`` (every rank gets here):
+    that finalises an NVSHMEM we started and leaves one started elsewhere running.  After a lost peer
+    the runtime is left as it is, since finalising would wait for it."""
     ext, _ = _extension()
     with _RT.lock:
         _RT.users = max(0, _RT.users - 1)
         if not collective and not _RT.poisoned:
             _RT.poisoned = "a peer was lost while a buffer was open (its memory was not freed)"
-        finalize = ext is not None and _RT.users == 0 and _RT.started_here and not _RT.poisoned
+        finalize = (ext is not None and _RT.users == 0 and (_RT.started_here or _RT.attached)
+                    and not _RT.poisoned)
         if finalize:
-            _RT.started_here = False
+            _RT.started_here = _RT.attached = False
     if finalize:
         ext.finalize()
 
@@ -173,8 +190,10 @@ class NvshmemBuffer:
     the address of each rank's copy in this process.
     """
 
-    def __init__(self, ext: Any, base: int, nbytes: int, device: torch.device, peer_ptrs: torch.Tensor):
+    def __init__(self, ext: Any, base: int, nbytes: int, device: torch.device, peer_ptrs: torch.Tensor,
+                 pes: tuple[int, ...]):
         self._ext = ext
+        self.pes = pes  # NVSHMEM PE of every rank
         self._base = base
         self.nbytes = nbytes
         self.device = device
@@ -183,9 +202,11 @@ class NvshmemBuffer:
         self._closed = False
 
     @classmethod
-    def create(cls, nbytes: int, control: ControlPlane, topology: Topology, device_index: int) -> "NvshmemBuffer":
-        """Collective over the communicator's ranks.  ``EPTopologyError`` when a peer cannot be reached by
-        stores (``nvshmem_ptr`` gives no address: another host without NVLink mapping)."""
+    def create(cls, nbytes: int, control: ControlPlane, topology: Topology, device_index: int,
+               put_mode: bool = False) -> "NvshmemBuffer":
+        """Collective over the communicator's ranks.  Without ``put_mode`` every peer must be reachable
+        by stores: ``EPTopologyError`` when ``nvshmem_ptr`` gives no address for one.  With it, such
+        peers get address 0 in ``peer_ptrs`` (the kernels reach them with puts)."""
         pes = acquire_runtime(control, topology, device_index, nbytes)
         ext, _ = _extension()
         device = torch.device("cuda", device_index)
@@ -202,17 +223,17 @@ class NvshmemBuffer:
         ptrs = [ext.ptr(base, pe) for pe in pes]
         unreachable = [r for r, p in enumerate(ptrs) if p == 0]
         votes = control.gather_objects(unreachable)
-        if any(votes):
+        if any(votes) and not put_mode:
             with torch.cuda.device(device_index):
                 ext.free(base)
             release_runtime(collective=True)
             pairs = "; ".join(f"rank {r} cannot reach {v}" for r, v in enumerate(votes) if v)
             raise EPTopologyError(
-                f"nvshmem backend: NVSHMEM gives no load/store address for some peers ({pairs}): they are on "
-                f"other hosts or P2P is off (NVSHMEM_DISABLE_P2P). This version reaches peers only through "
-                f"nvshmem_ptr (NVLink); across a network use backend='ag_rs'")
+                f"nvshmem backend: NVSHMEM gives no load/store address for some peers ({pairs}) although the "
+                f"ranks are on one host: is P2P between these GPUs off? (EP_COMM_NVSHMEM_PUT=1 reaches them "
+                f"with NVSHMEM puts instead)")
         peer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        return cls(ext, base, nbytes, device, peer_ptrs)
+        return cls(ext, base, nbytes, device, peer_ptrs, pes)
 
     def close(self, collective: bool = True) -> None:
         """Free the heap memory (collective: every rank must close) and release the runtime.  With

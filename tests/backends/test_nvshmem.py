@@ -1,5 +1,6 @@
-"""The nvshmem backend on GPUs: the oracle matrix (plain and with receive hooks), CUDA graphs, a rank
-that skips a call, NVSHMEM's start/stop across communicators, and the backend choice.
+"""The nvshmem backend on GPUs: the oracle matrix (plain and with receive hooks), CUDA graphs, all of it
+again in put mode (NVSHMEM puts and signals forced on NVLink peers), a rank that skips a call,
+NVSHMEM's start/stop across communicators, and the backend choice.
 
 One rank per GPU (NVSHMEM gives each GPU one PE), so at least 2 GPUs; skipped without them or without
 the ``ep_comm._C_nvshmem`` extension (built where the NVSHMEM wheel is installed).
@@ -30,18 +31,20 @@ def _why_skip() -> str:
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")]
 
 
-def _spawn(fn, *args, timeout_s: float = 600.0, extra_env=None):
+def _spawn(fn, *args, timeout_s: float = 600.0, env: dict | None = None):
     world = torch.cuda.device_count()
-    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=extra_env))
+    extra = None if env is None else (lambda rank: env)
+    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=extra))
 
 
 _cache: dict = {}
+PUT = {"EP_COMM_NVSHMEM_PUT": "1"}  # NVSHMEM puts and signals instead of stores to NVLink peers
 
 
-def _assert_clean(case, name, fn, *args):
+def _assert_clean(case, name, fn, *args, env: dict | None = None):
     """``case`` is among the cases ``fn`` ran (on every rank, once per module) and had no problems."""
     if name not in _cache:
-        _cache[name] = cases.merge_ranks(_spawn(fn, *args))
+        _cache[name] = cases.merge_ranks(_spawn(fn, *args, env=env))
     results = _cache[name]
     assert case in results
     assert results[case] == [], "\n".join(results[case])
@@ -72,6 +75,22 @@ def test_cuda_graph_capture_and_replay(case):
 @pytest.mark.parametrize("case", GRAPH)
 def test_recv_hooks_under_cuda_graphs(case):
     _assert_clean(case, "hooks_graph", cases.graph_capture, ("nvshmem",), ("standard", "batched"), 3, True)
+
+
+# -- put mode: the network path (staging rows, NVSHMEM puts and signals), forced on NVLink peers -------------
+@pytest.mark.parametrize("case", MATRIX)
+def test_put_mode_matches_oracle(case):
+    _assert_clean(case, "put_matrix", cases.backend_matrix, ("nvshmem",), ("standard", "batched"), 2, env=PUT)
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_put_mode_recv_hooks_match_oracle(case):
+    _assert_clean(case, "put_hooks", cases.backend_matrix, ("nvshmem",), ("standard", "batched"), 1, True, env=PUT)
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_put_mode_cuda_graphs(case):
+    _assert_clean(case, "put_graph", cases.graph_capture, ("nvshmem",), env=PUT)
 
 
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
@@ -131,19 +150,17 @@ def choice_worker(fake_hosts: bool) -> dict:
     res = {}
     with ep_comm.Communicator(cases.make_cfg(world, "auto", "standard", None), device=device) as comm:
         res["auto"] = comm.backend
-    try:
-        ep_comm.Communicator(cases.make_cfg(world, "nvshmem", "standard", None), device=device).close()
-        res["nvshmem"] = "created"
-    except ep_comm.EPTopologyError as exc:
-        res["nvshmem"] = str(exc)
+        res["auto_put"] = bool(getattr(comm._impl, "layout", None) and comm._impl.layout.put_mode)
+    with ep_comm.Communicator(cases.make_cfg(world, "nvshmem", "standard", None), device=device) as comm:
+        res["nvshmem_put"] = comm._impl.layout.put_mode
     return res
 
 
 def test_backend_choice():
-    # one host: auto prefers mnnvl; nvshmem on request
+    # one host: auto prefers mnnvl; nvshmem on request reaches peers by stores
     for r in _spawn(choice_worker, False, timeout_s=180):
-        assert r == {"auto": "mnnvl", "nvshmem": "created"}, r
-    # ranks posing as two hosts without an IMEX channel: neither one-sided backend, auto gives ag_rs
+        assert r == {"auto": "mnnvl", "auto_put": False, "nvshmem_put": False}, r
+    # ranks posing as two hosts without an IMEX channel: mnnvl cannot map peers, nvshmem takes over in
+    # put mode (NVSHMEM_REMOTE_TRANSPORT=none here still lets NVSHMEM move the puts over NVLink)
     for r in _spawn(choice_worker, True, timeout_s=180):
-        assert r["auto"] == "ag_rs", r
-        assert "span 2 hosts" in r["nvshmem"] and "ag_rs" in r["nvshmem"], r
+        assert r == {"auto": "nvshmem", "auto_put": True, "nvshmem_put": True}, r
