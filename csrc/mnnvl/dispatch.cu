@@ -303,10 +303,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (a.last) {
     for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
       const int peer = i / nl;
-      int32_t* counts = put_mode(L) && peer != L.rank
-                            ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i - L.rank * nl
-                            : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]);
-      counts[L.rank * nl + i % nl] = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
+      // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
+      int32_t* slot = put_mode(L) && peer != L.rank
+                          ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
+                          : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) + L.rank * nl + i % nl;
+      *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
       p.send_count[i] = 0;  // ready for the next call
     }
     __syncthreads();
