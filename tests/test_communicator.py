@@ -257,6 +257,47 @@ def test_attributes_and_auto_backend(monkeypatch):
     assert {r["backend"] for r in res} == {"naive"}
 
 
+def fall_through_worker(error: str):
+    """``auto`` over a first backend whose creation fails alike on every rank."""
+    import warnings
+
+    from ep_comm import backends
+    from ep_comm.backends.naive import NaiveBackend
+
+    class Refusing(NaiveBackend):
+        name = "refusing"
+
+        @classmethod
+        def create(cls, ctx):
+            if error == "timeout":
+                raise ep_comm.EPTimeoutError("peer 1 never came", missing_ranks=[1])
+            raise ep_comm.EPError("NVSHMEM failed to start (status 7)")
+
+    backends.register(Refusing)
+    backends.AUTO_ORDER = ("refusing", "ag_rs")
+    topo = ep_comm.init_distributed()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ep_comm.Communicator(_cfg(topo.world_size, backend="auto")) as comm:
+                return dict(backend=comm.backend, skipped=comm.auto_skipped,
+                            warned=[str(w.message) for w in caught if w.category is RuntimeWarning])
+    except ep_comm.EPError as exc:
+        return dict(raised=type(exc).__name__)
+
+
+def test_auto_falls_through_a_backend_whose_creation_fails_on_every_rank():
+    for res in raise_on_failure(spawn_local(fall_through_worker, 2, ("error",), timeout_s=60,
+                                            extra_env=lambda r: CPU_ONLY)):
+        assert res["backend"] == "ag_rs", res
+        assert len(res["skipped"]) == 1 and "refusing" in res["skipped"][0] and "status 7" in res["skipped"][0]
+        assert any("skips 'refusing'" in w for w in res["warned"]), res
+    # a missing peer is not a reason to try the next backend: it would be missing there too
+    for res in raise_on_failure(spawn_local(fall_through_worker, 2, ("timeout",), timeout_s=60,
+                                            extra_env=lambda r: CPU_ONLY)):
+        assert res == {"raised": "EPTimeoutError"}, res
+
+
 def subgroup_worker():
     import torch.distributed as dist
 

@@ -27,6 +27,7 @@ IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 ENV_VARS = (
     BACKEND_ENV, "EP_COMM_HOST_ID", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_REMOTE_TRANSPORT", "NCCL_P2P_DISABLE", "NCCL_DEBUG",
+    "EP_COMM_NVSHMEM_PUT", "NVSHMEM_DISABLE_P2P", "NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_IB_ENABLE_IBGDA",
 )
 
 
@@ -176,6 +177,7 @@ def _build_report(env: RankEnv, everyone: list[dict]) -> dict:
             "ep_comm": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.version.cuda, "nccl": _nccl_version(), "platform": platform.platform(),
             "mpi4py": _module_version("mpi4py"), "cuda_bindings": _module_version("cuda.bindings"),
+            "nvshmem": _nvshmem_version(),
         },
         "launcher": env.launcher, "world_size": env.world_size, "process_group": dist.get_backend(),
         "ranks": [e["facts"] for e in everyone],
@@ -184,6 +186,14 @@ def _build_report(env: RankEnv, everyone: list[dict]) -> dict:
         "auto": {"env_override": override, "would_pick": override or auto, "order": list(AUTO_ORDER)},
         "env": {v: os.environ.get(v) for v in ENV_VARS},
     }
+
+
+def _nvshmem_version() -> Optional[str]:
+    """NVSHMEM's version as ep_comm._C_nvshmem was built against it, or None when that is not built."""
+    from ..memory import nvshmem_heap
+
+    ext, _ = nvshmem_heap.extension()
+    return None if ext is None else str(ext.VERSION)
 
 
 def _nccl_version() -> Optional[str]:
@@ -208,7 +218,8 @@ def _render(rep: dict) -> str:
     v = rep["versions"]
     lines = [
         f"ep_comm {v['ep_comm']} | torch {v['torch']} | Python {v['python']} | CUDA {v['cuda'] or '-'} | "
-        f"NCCL {v['nccl'] or '-'} | mpi4py {v['mpi4py'] or '-'} | cuda-bindings {v['cuda_bindings'] or '-'}",
+        f"NCCL {v['nccl'] or '-'} | mpi4py {v['mpi4py'] or '-'} | cuda-bindings {v['cuda_bindings'] or '-'} | "
+        f"NVSHMEM {v.get('nvshmem') or '-'}",
         f"launcher: {rep['launcher']}, world size {rep['world_size']}, process group {rep['process_group']}",
         "", "== ranks ==",
         format_table(["rank", "host", "local_rank", "device", "pid"],

@@ -135,3 +135,26 @@ def test_mnnvl_on_cpu_says_why_and_auto_falls_back():
     for msg, auto in raise_on_failure(spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120)):
         assert "mnnvl" in msg and "needs CUDA" in msg, msg
         assert auto == "ag_rs"
+
+
+def test_put_mode_layout_adds_disjoint_staging_and_turns_grouping_off(monkeypatch):
+    """nvshmem put mode: staging copies of the rows, partials and counts after the regular regions."""
+    world, max_t = 4, 600  # above the grouped-combine threshold
+    cfg = ep_comm.EPConfig(num_experts=8 * world, top_k=4, hidden=256, max_tokens_per_rank=max_t)
+    plain = kp.BufferLayout.for_config(cfg, world)
+    put = kp.BufferLayout.for_config(cfg, world, put_mode=True)
+    assert not plain.put_mode and put.put_mode
+    assert (plain.stage_offset, plain.stage_combine_offset, plain.stage_counts_offset) == (0, 0, 0)
+    dispatch, combine = world * max_t * put.row_stride, world * max_t * put.combine_stride
+    assert put.stage_offset == plain.nbytes  # the regular regions are unchanged
+    assert put.stage_combine_offset == put.stage_offset + dispatch
+    assert put.stage_counts_offset == put.stage_combine_offset + combine
+    assert put.stage_counts_offset + world * 8 * 4 <= put.nbytes
+    assert all(o % 16 == 0 for o in (put.stage_offset, put.stage_combine_offset, put.stage_counts_offset))
+    monkeypatch.setenv(kp.COMBINE_GROUPED_ENV, "1")
+    vec = kp.config_vector(cfg, 0, world, put, 24, 0)
+    assert vec[kp.PUT_MODE] == 1 and vec[kp.COMBINE_GROUPED] == 0  # signals once per call in put mode
+    assert (vec[kp.STAGE_OFFSET], vec[kp.STAGE_COMBINE_OFFSET], vec[kp.STAGE_COUNTS_OFFSET]) == (
+        put.stage_offset, put.stage_combine_offset, put.stage_counts_offset)
+    vec = kp.config_vector(cfg, 0, world, plain, 24, 0)
+    assert vec[kp.PUT_MODE] == 0 and vec[kp.COMBINE_GROUPED] == 1
