@@ -148,7 +148,7 @@ def rank_main(args: argparse.Namespace) -> dict:
 
             def agree_start(*a, **k):  # the send, then (later, after the local work) the wait
                 wait = _wrap(acc, "host agreement: send", start, False)(*a, **k)
-                return _wrap(acc, "host agreement: wait (gloo)", wait, cuda and args.sync)
+                return _wrap(acc, "host agreement: wait", wait, cuda and args.sync)
 
             comm.control.agree_start = agree_start
         else:  # a tree from before the split agreement

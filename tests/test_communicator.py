@@ -142,22 +142,30 @@ def missing_peer_worker(absent_rank: int):
     world, rank = topo.world_size, topo.rank
     cfg = _cfg(world, timeout_s=3.0)
     comm = ep_comm.Communicator(cfg)
+    shm = comm.control._shm is not None
     if rank == absent_rank:
         time.sleep(8.0)  # never calls dispatch
-        return ("absent", None, 0.0)
+        return ("absent", None, 0.0, shm)
     good = _good(cfg, world, rank)
     t0 = time.monotonic()
     try:
         comm.dispatch(good.x, good.topk_ids, good.topk_weights)
-        return ("no error", None, time.monotonic() - t0)
+        return ("no error", None, time.monotonic() - t0, shm)
     except ep_comm.EPTimeoutError as exc:
-        return (str(exc), list(exc.missing_ranks), time.monotonic() - t0)
+        return (str(exc), list(exc.missing_ranks), time.monotonic() - t0, shm)
 
 
-def test_missing_peer_times_out_naming_it_on_every_waiting_rank():
-    results = raise_on_failure(spawn_local(missing_peer_worker, 3, (2,), timeout_s=120, extra_env=lambda r: CPU_ONLY))
+# one host: the agreement goes through shared memory; EP_COMM_SHM_AGREE=0 keeps it on gloo
+AGREEMENT = {"shm": CPU_ONLY, "gloo": {**CPU_ONLY, "EP_COMM_SHM_AGREE": "0"}}
+
+
+@pytest.mark.parametrize("agreement", sorted(AGREEMENT))
+def test_missing_peer_times_out_naming_it_on_every_waiting_rank(agreement):
+    results = raise_on_failure(spawn_local(missing_peer_worker, 3, (2,), timeout_s=120,
+                                           extra_env=lambda r: AGREEMENT[agreement]))
     for rank in (0, 1):
-        msg, missing, secs = results[rank]
+        msg, missing, secs, shm = results[rank]
+        assert shm == (agreement == "shm")
         assert missing == [2], f"rank {rank}: {msg}"
         assert "rank 2" in msg and "never arrived" in msg
         assert 2.5 < secs < 15, secs

@@ -95,10 +95,12 @@ def _check_survivors(results, victim: int, stamp: str, how: str) -> None:
         assert seen.get("teardown_s", 0.0) < 5.0, seen
 
 
+@pytest.mark.parametrize("agreement", ["shm", "gloo"])  # same-host shared-memory agreement, or gloo
 @pytest.mark.parametrize("nproc,victim", [(2, 1), (3, 0)])
-def test_killed_rank_is_named_on_every_survivor(tmp_path, nproc: int, victim: int) -> None:
+def test_killed_rank_is_named_on_every_survivor(tmp_path, nproc: int, victim: int, agreement: str) -> None:
     stamp = str(tmp_path / "killed_at")
-    results = spawn_local(_killed_worker, nproc, (victim, stamp), timeout_s=120, extra_env=lambda r: CPU_ONLY)
+    env = CPU_ONLY if agreement == "shm" else {**CPU_ONLY, "EP_COMM_SHM_AGREE": "0"}
+    results = spawn_local(_killed_worker, nproc, (victim, stamp), timeout_s=120, extra_env=lambda r: env)
     assert results[victim].exitcode == -signal.SIGKILL
     _check_survivors(results, victim, stamp, "its process")
 

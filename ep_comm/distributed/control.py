@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pickle
 import secrets
 import time
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from ..errors import EPError, EPInputError, EPTimeoutError
 from .exchange import allgather_bytes_via
 from .liveness import ProcessIdentity, process_gone
+from .shm_agree import SHM_AGREE_ENV, SharedAgreement
 from .topology import Topology, local_host_id
 
 OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close", 4: "exchange"}
@@ -118,6 +120,7 @@ class ControlPlane:
                           "initialise with ep_comm.init_distributed() or an env:// / tcp:// init_method")
         self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base)
         self.broken: Optional[str] = None
+        self._shm: Optional[SharedAgreement] = None  # set once the ranks are known to share a host
         self._store_ok = True  # False once the store failed us (its host may be the dead rank)
         self.identities: list[ProcessIdentity] = []
         self._pg: Optional[dist.ProcessGroupGloo] = dist.ProcessGroupGloo(
@@ -134,6 +137,14 @@ class ControlPlane:
             raise
         self.host_ids: list[str] = [str(h) for h, _ in ids]
         self.identities = [i for _, i in ids]
+        # one host: the per-call agreement goes through shared memory (shm_agree.py), if every rank can
+        try:
+            want = self.gather_objects(len(set(self.host_ids)) == 1 and os.environ.get(SHM_AGREE_ENV, "1") != "0")
+            if self.size > 1 and all(want):
+                self._shm = SharedAgreement.open(self.rank, self.size, self.token, self.gather_objects)
+        except BaseException:
+            self.close("failed while being created")
+            raise
 
     def _allgather(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1) -> list[torch.Tensor]:
         return self._allgather_start(tensor, op, epoch)()
@@ -179,25 +190,48 @@ class ControlPlane:
         overlaps it instead of adding to it."""
         if self.broken:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
+        status = 1 if error is not None else 0
+        if self._shm is not None:
+            return self._shm_agree_start(op, epoch, status, num_tokens, error)
         self._record_arrival(op, epoch)
-        mine = torch.tensor([op, epoch, 1 if error is not None else 0, num_tokens], dtype=torch.int64)
+        mine = torch.tensor([op, epoch, status, num_tokens], dtype=torch.int64)
         gathered_wait = self._allgather_start(mine, op, epoch)
 
         def wait() -> list[PeerStatus]:
             gathered = gathered_wait()  # a failure raises the typed error naming the peers
-            peers = [PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)]
-            if any(p.status for p in peers):
-                self._raise_input_errors(peers, error)
-            off = [p for p in peers if (p.op, p.epoch) != (op, epoch)]
-            if off:
-                desc = ", ".join(f"rank {p.rank} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}" for p in off)
-                self.broken = "ranks disagreed on the call"
-                raise EPError(
-                    f"rank {self.rank} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
-                    "must call dispatch/combine in the same order"
-                )
-            return peers
+            return self._checked([PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)], op, epoch,
+                                 error)
         return wait
+
+    def _shm_agree_start(self, op: int, epoch: int, status: int, num_tokens: int, error: Optional[BaseException]):
+        shm = self._shm
+        seq = shm.post(op, epoch, status, num_tokens)
+
+        def gone(ranks) -> bool:
+            return any(process_gone(self.identities[r]) for r in ranks)
+
+        def wait() -> list[PeerStatus]:
+            records, missing, why = shm.wait(seq, self.timeout_s, gone)
+            if missing:
+                what = {"closed": "closed its end", "gone": "process gone",
+                        "timeout": f"no record within timeout_s={self.timeout_s:g}"}[why]
+                raise self.failure(op, epoch, RuntimeError(f"shared-memory agreement: rank(s) {missing}: {what}"))
+            return self._checked([PeerStatus(r, *rec) for r, rec in enumerate(records)], op, epoch, error)
+        return wait
+
+    def _checked(self, peers: list[PeerStatus], op: int, epoch: int, error: Optional[BaseException]) -> list[PeerStatus]:
+        """Raise what every rank must see about the gathered records: input errors, ranks on other calls."""
+        if any(p.status for p in peers):
+            self._raise_input_errors(peers, error)
+        off = [p for p in peers if (p.op, p.epoch) != (op, epoch)]
+        if off:
+            desc = ", ".join(f"rank {p.rank} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}" for p in off)
+            self.broken = "ranks disagreed on the call"
+            raise EPError(
+                f"rank {self.rank} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
+                "must call dispatch/combine in the same order"
+            )
+        return peers
 
     # The control plane is also an ``Exchange`` (rank, size, allgather_bytes, barrier), so layers
     # below the communicator (e.g. the memory layer) can reuse it instead of opening another group.
@@ -233,6 +267,8 @@ class ControlPlane:
         return None if raw is None else raw.decode(errors="replace")
 
     def _last_seen(self, rank: int) -> Optional[tuple[int, int]]:
+        if self._shm is not None:
+            return self._shm.last_seen(rank)
         raw = self._read(f"arrive/{rank}")
         if raw is None:
             return None
@@ -305,7 +341,8 @@ class ControlPlane:
             parts.append(", ".join(f"rank {r}" for r in sorted(followers)) + " left after losing "
                          + ", ".join(sorted({f"rank {b}" for bl in followers.values() for b in bl})))
         missing = sorted(gone) + sorted(followers)
-        if op in (OP_DISPATCH, OP_COMBINE) and self._store_ok:  # the calls that leave arrival records
+        records = self._store_ok or self._shm is not None
+        if op in (OP_DISPATCH, OP_COMBINE) and records:  # the calls that leave arrival records
             for r in range(self.size):
                 if r == self.rank or r in missing:
                     continue
@@ -315,7 +352,7 @@ class ControlPlane:
                     where = "never arrived" if last is None else \
                         f"last seen in {OP_NAMES.get(last[0])} epoch {last[1]}"
                     parts.append(f"rank {r} ({where})")
-        if not self._store_ok:
+        if not records:
             parts.append("arrival records unavailable: the rendezvous store is unreachable")
         if gone:
             _peer_loss_seen = True
@@ -356,6 +393,8 @@ class ControlPlane:
         # them itself (another machine) still names the root cause rather than this rank
         because = sorted(g for g in _blamed if g in self.global_ranks)
         self._store_call(self.store.set, f"left/{self.rank}", json.dumps({"reason": reason[:300], "because_of": because}))
+        if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
+            self._shm.close()
         try:
             pg.shutdown()
         except Exception:  # older torch: no shutdown(); the object's destructor closes it

@@ -1,0 +1,167 @@
+"""Same-host fast path of the per-call agreement: records in a shared-memory file instead of gloo.
+
+On GPU machines the gloo all-gather of the four-number call record, plus the arrival record in the
+rendezvous store, cost 0.5-0.7 ms per eager call (bench/NOTES.md).  When every rank of a control plane
+runs on one host, each rank instead writes its record into its own slot of a small file in /dev/shm
+mapped by all of them, and spins until every peer's record for the same call is there: a few µs.
+
+Slots are double-buffered by the parity of the call's sequence number (a rank can start call n + 2
+only after every peer wrote call n + 1, which each does only after seeing call n complete), so a fast
+peer never overwrites a record a slower one has yet to read.  Each record carries a CRC, so a reader
+never trusts a torn or half-visible record (hosts with weak memory ordering, e.g. Grace).  A peer that
+closed its end sets its ``closed`` word; a peer whose process died is found by ``/proc`` polls during
+the wait; anything else that keeps a peer away ends at ``timeout_s``.  The caller turns each of these
+into the same typed errors as the gloo path.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import time
+import zlib
+from typing import Callable, Optional, Sequence
+
+__all__ = ["SharedAgreement", "SHM_AGREE_ENV", "Arrival"]
+
+SHM_AGREE_ENV = "EP_COMM_SHM_AGREE"  # "0": always agree over gloo
+_DIR = "/dev/shm"
+_HEADER = struct.Struct("<16sq")  # nonce, size
+_RECORD = struct.Struct("<qqqqqI")  # seq, op, epoch, status, num_tokens, crc32 of the first 40 bytes
+_SLOT = 64  # bytes per (rank, parity) record; the closed word follows the 2 records of a rank
+_RANK_BYTES = 2 * _SLOT + 64
+_POLL_LIVENESS_S = 0.02
+
+Arrival = tuple  # (op, epoch, status, num_tokens) of one rank
+
+
+class SharedAgreement:
+    """One mapped file per control plane; ``rank`` writes its slot, reads every other."""
+
+    def __init__(self, mm: mmap.mmap, rank: int, size: int):
+        self._mm = mm
+        self.rank = rank
+        self.size = size
+        self.seq = 0
+
+    # -- setup (collective through ``exchange``, the control plane's gloo all-gather) ---------------------
+    @classmethod
+    def open(cls, rank: int, size: int, token: str, exchange: Callable[[object], list]) -> Optional["SharedAgreement"]:
+        """The shared file for this plane, or None on every rank when any rank cannot map it (another
+        /dev/shm, no permission): the caller then agrees over gloo.  Collective."""
+        path = os.path.join(_DIR, f"ep_comm_agree_{token}")
+        nbytes = _HEADER.size + size * _RANK_BYTES
+        nonce = secrets.token_bytes(16) if rank == 0 else b""
+        mm, err = None, ""
+        if rank == 0:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)
+                    mm = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+                _HEADER.pack_into(mm, 0, nonce, size)
+            except OSError as exc:
+                err = f"{type(exc).__name__}: {exc}"
+        nonces = exchange(nonce if not err else None)
+        if rank != 0 and nonces[0] is not None:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    mm = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+                if _HEADER.unpack_from(mm, 0) != (nonces[0], size):
+                    err = "another file under that name"
+            except (OSError, ValueError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+        ok = exchange(mm is not None and not err)
+        if rank == 0 and mm is not None:
+            try:
+                os.unlink(path)  # the mappings keep it alive; nothing is left behind after a crash
+            except OSError:
+                pass
+        if not all(ok):
+            if mm is not None:
+                mm.close()
+            return None
+        return cls(mm, rank, size)
+
+    # -- records --------------------------------------------------------------------------------------
+    def _offset(self, rank: int, parity: int) -> int:
+        return _HEADER.size + rank * _RANK_BYTES + parity * _SLOT
+
+    def _closed_offset(self, rank: int) -> int:
+        return _HEADER.size + rank * _RANK_BYTES + 2 * _SLOT
+
+    def post(self, op: int, epoch: int, status: int, num_tokens: int) -> int:
+        """Write this rank's record of its next call; returns the call's sequence number."""
+        self.seq += 1
+        body = struct.pack("<qqqqq", self.seq, op, epoch, status, num_tokens)
+        self._mm[self._offset(self.rank, self.seq & 1): self._offset(self.rank, self.seq & 1) + _RECORD.size] = (
+            body + struct.pack("<I", zlib.crc32(body)))
+        return self.seq
+
+    def _read(self, rank: int, seq: int) -> Optional[Arrival]:
+        """``rank``'s record of call ``seq`` when it is fully there, else None."""
+        raw = self._mm[self._offset(rank, seq & 1): self._offset(rank, seq & 1) + _RECORD.size]
+        s, op, epoch, status, tokens, crc = _RECORD.unpack(raw)
+        if s != seq or zlib.crc32(raw[:40]) != crc:
+            return None
+        return op, epoch, status, tokens
+
+    def last_seen(self, rank: int) -> Optional[tuple[int, int]]:
+        """(op, epoch) of the latest complete record of ``rank``, if any."""
+        best = None
+        for parity in (0, 1):
+            raw = self._mm[self._offset(rank, parity): self._offset(rank, parity) + _RECORD.size]
+            s, op, epoch, _, _, crc = _RECORD.unpack(raw)
+            if s > 0 and zlib.crc32(raw[:40]) == crc and (best is None or s > best[0]):
+                best = (s, op, epoch)
+        return None if best is None else (best[1], best[2])
+
+    def mark_closed(self) -> None:
+        try:
+            struct.pack_into("<q", self._mm, self._closed_offset(self.rank), 1)
+        except ValueError:  # already unmapped
+            pass
+
+    def closed(self, rank: int) -> bool:
+        return struct.unpack_from("<q", self._mm, self._closed_offset(rank))[0] != 0
+
+    def wait(self, seq: int, timeout_s: float, gone: Callable[[Sequence[int]], bool]) -> tuple[list, list[int], str]:
+        """Every rank's record of call ``seq``: ``(records, missing, why)``; ``missing`` is empty on
+        success, else the ranks whose record did not come and ``why`` says what ended the wait
+        (``"closed"``, ``"gone"`` when ``gone(missing)`` found a dead process, or ``"timeout"``)."""
+        records: list = [None] * self.size
+        pending = list(range(self.size))
+        deadline = time.monotonic() + timeout_s
+        next_poll = time.monotonic() + _POLL_LIVENESS_S
+        spins = 0
+        while True:
+            for r in pending:
+                records[r] = self._read(r, seq)
+            pending = [r for r in pending if records[r] is None]
+            if not pending:
+                return records, [], ""
+            if any(self.closed(r) for r in pending):
+                return records, pending, "closed"
+            spins += 1
+            now = time.monotonic()
+            if spins > 200:  # give the peers the cores on busy hosts; a long wait (a slow peer) naps longer
+                time.sleep(0 if spins < 5000 else 0.0002 if now < deadline - timeout_s + 0.05 else 0.001)
+            if now >= next_poll:
+                next_poll = now + _POLL_LIVENESS_S
+                if gone(pending):
+                    return records, pending, "gone"
+            if now >= deadline:
+                return records, pending, "timeout"
+
+    def close(self) -> None:
+        self.mark_closed()
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass

@@ -1,0 +1,65 @@
+"""The same-host shared-memory agreement (ep_comm.distributed.shm_agree), on two mappings of one file in
+one process (the cross-process behaviour is covered by the communicator and peer-failure tests)."""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+
+import pytest
+
+from ep_comm.distributed import shm_agree
+from ep_comm.distributed.shm_agree import SharedAgreement
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+
+def _pair(size: int = 2):
+    """One view per rank of one shared file (what SharedAgreement.open sets up across processes)."""
+    path = os.path.join(shm_agree._DIR, f"ep_comm_agree_test_{os.urandom(6).hex()}")
+    nbytes = shm_agree._HEADER.size + size * shm_agree._RANK_BYTES
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+    maps = [mmap.mmap(fd, nbytes) for _ in range(size)]
+    os.close(fd)
+    os.unlink(path)
+    return [SharedAgreement(maps[r], r, size) for r in range(size)]
+
+
+def test_records_meet_and_parity_keeps_the_previous_call_readable():
+    a, b = _pair()
+    s1 = a.post(1, 0, 0, 5)
+    assert b._read(0, s1) == (1, 0, 0, 5)
+    assert b.post(1, 0, 0, 7) == s1
+    recs, missing, why = a.wait(s1, 1.0, lambda ranks: False)
+    assert (missing, why) == ([], "") and recs == [(1, 0, 0, 5), (1, 0, 0, 7)]
+    s2 = a.post(2, 0, 0, 5)  # a runs ahead into call 2; b can still read a's call 1 record
+    assert b._read(0, s1) == (1, 0, 0, 5) and b._read(0, s2) == (2, 0, 0, 5)
+    assert a.last_seen(1) == (1, 0) and b.last_seen(0) == (2, 0)
+
+
+def test_torn_record_is_not_trusted():
+    a, b = _pair()
+    seq = a.post(1, 3, 0, 9)
+    off = a._offset(0, seq & 1)
+    struct.pack_into("<q", a._mm, off + 16, 4)  # epoch changed after the crc was written: a torn write
+    assert b._read(0, seq) is None
+    assert b.last_seen(0) is None
+
+
+def test_wait_ends_on_timeout_on_a_closed_peer_and_on_a_dead_one():
+    a, b = _pair()
+    seq = a.post(1, 0, 0, 1)
+    t0 = time.monotonic()
+    _, missing, why = a.wait(seq, 0.2, lambda ranks: False)
+    assert (missing, why) == ([1], "timeout") and 0.15 < time.monotonic() - t0 < 2
+    _, missing, why = a.wait(seq, 5.0, lambda ranks: True)
+    assert (missing, why) == ([1], "gone")
+    b.mark_closed()
+    _, missing, why = a.wait(seq, 5.0, lambda ranks: False)
+    assert (missing, why) == ([1], "closed")
+
+
+def test_record_layout_fits_its_slot():
+    assert shm_agree._RECORD.size <= shm_agree._SLOT
