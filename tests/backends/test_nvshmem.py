@@ -142,6 +142,41 @@ def test_nvshmem_is_shared_by_open_communicators_and_restarts_after_the_last_clo
         assert "not started, 0 buffer(s)" in res["states"][1], res
 
 
+def torch_started_worker() -> dict:
+    """NVSHMEM started by torch symmetric memory first: ep_comm joins it and leaves it running."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ep_comm.memory import nvshmem_heap
+
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    dev = torch.device("cuda", torch.cuda.current_device())
+    symm_mem.set_backend("NVSHMEM")
+    t = symm_mem.empty(4096, dtype=torch.uint8, device=dev)
+    symm_mem.rendezvous(t, dist.group.WORLD)
+    cfg = cases.make_cfg(world, "nvshmem", "batched", None)
+    inputs = oracle.random_inputs(cfg, world, 9)
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        state = nvshmem_heap.runtime_summary()
+        mine = inputs[rank].to(comm.device)
+        d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+        y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        problems = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+    t2 = symm_mem.empty(4096, dtype=torch.uint8, device=dev)  # torch's NVSHMEM still works
+    symm_mem.rendezvous(t2, dist.group.WORLD)
+    t2.fill_(rank + 1)
+    torch.cuda.synchronize()
+    return {"problems": problems, "state": state, "after": int(t2[0].item())}
+
+
+def test_nvshmem_started_by_torch_symmetric_memory_is_joined_and_left_running():
+    for rank, res in enumerate(_spawn(torch_started_worker, timeout_s=240)):
+        assert res["problems"] == [], res
+        assert "started elsewhere, attached, 1 buffer(s)" in res["state"], res
+        assert res["after"] == rank + 1, res
+
+
 def choice_worker(fake_hosts: bool) -> dict:
     if fake_hosts:
         os.environ["EP_COMM_HOST_ID"] = f"fakehost{os.environ['RANK']}"
