@@ -85,19 +85,17 @@ class Communicator:
     def _create_backend(self, requested: str):
         """``(name, backend, skipped)``.  Under ``auto`` a candidate whose creation fails alike on every
         rank with an ``EPError`` (NVSHMEM cannot start, say) gives way to the next; ``skipped`` says why."""
-        candidates = self._choose_backends(requested)
+        *fallible, last = self._choose_backends(requested)
         skipped: list[str] = []
-        for i, name in enumerate(candidates):
+        for name in fallible:
             try:
                 return name, _backends.get_backend(name).create(self._ctx), skipped
             except EPTimeoutError:
                 raise  # a peer is missing: the next candidate would wait for it too
             except EPError as exc:
-                if i == len(candidates) - 1:
-                    raise
                 skipped.append(f"{name}: {exc}")
                 warnings.warn(f"ep_comm: backend='auto' skips {name!r}: {exc}", RuntimeWarning, stacklevel=3)
-        raise AssertionError("unreachable")
+        return last, _backends.get_backend(last).create(self._ctx), skipped
 
     def _choose_backends(self, requested: str) -> list[str]:
         """Every rank reports what it can run; all ranks get the same candidates (the requested backend,

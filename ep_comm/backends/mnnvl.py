@@ -80,16 +80,9 @@ class MnnvlBackend:
     # -- protocol ---------------------------------------------------------------------------------------
     @classmethod
     def availability(cls, ctx: BackendContext) -> Availability:
-        if ctx.device.type != "cuda":
-            return Availability(False, f"needs CUDA tensors (this communicator runs on {ctx.device.type})")
-        why = kernel_ops.unavailable_reason()
+        why = kernels_unavailable(ctx)
         if why:
             return Availability(False, why)
-        if ctx.cfg.top_k > kp.MAX_TOP_K:
-            return Availability(False, f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {kp.MAX_TOP_K}")
-        if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
-            return Availability(False, f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of "
-                                       f"{kp.MAX_LOCAL_EXPERTS}")
         caps = probe_capabilities(ctx.device.index)
         if not caps.cuda or not caps.vmm_supported:
             return Availability(False, f"cuMem VMM unusable on this GPU ({caps.reason or 'VMM not supported'})")
@@ -267,6 +260,20 @@ class MnnvlBackend:
         # the ranks' call sequences can no longer be trusted: every later call raises this too
         self._fatal = fatal
         return fatal
+
+
+def kernels_unavailable(ctx: BackendContext) -> str:
+    """'' when the kernel backends' kernels can run this config on this rank's device, else why not."""
+    if ctx.device.type != "cuda":
+        return f"needs CUDA tensors (this communicator runs on {ctx.device.type})"
+    why = kernel_ops.unavailable_reason()
+    if why:
+        return why
+    if ctx.cfg.top_k > kp.MAX_TOP_K:
+        return f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {kp.MAX_TOP_K}"
+    if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
+        return f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of {kp.MAX_LOCAL_EXPERTS}"
+    return ""
 
 
 def _contiguous_target(out: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..memory import nvshmem_heap
 from . import kernel_ops
 from . import kernel_protocol as kp
 from .base import Availability, BackendContext
-from .mnnvl import NUM_SMS_ENV, MnnvlBackend
+from .mnnvl import NUM_SMS_ENV, MnnvlBackend, kernels_unavailable
 
 
 PUT_ENV = "EP_COMM_NVSHMEM_PUT"  # "1": reach every peer with NVSHMEM puts, even where stores would do
@@ -43,17 +43,8 @@ class NvshmemBackend(MnnvlBackend):
 
     @classmethod
     def availability(cls, ctx: BackendContext) -> Availability:
-        if ctx.device.type != "cuda":
-            return Availability(False, f"needs CUDA tensors (this communicator runs on {ctx.device.type})")
-        why = kernel_ops.unavailable_reason() or kernel_ops.nvshmem_ops_reason()
-        if why:
-            return Availability(False, why)
-        if ctx.cfg.top_k > kp.MAX_TOP_K:
-            return Availability(False, f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {kp.MAX_TOP_K}")
-        if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
-            return Availability(False, f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of "
-                                       f"{kp.MAX_LOCAL_EXPERTS}")
-        return Availability(True)
+        why = kernels_unavailable(ctx) or kernel_ops.nvshmem_ops_reason()  # (CUDA first: no load on CPU ranks)
+        return Availability(not why, why)
 
     @classmethod
     def create(cls, ctx: BackendContext) -> "NvshmemBackend":

@@ -310,6 +310,18 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
     return disp, comb
 
 
+def _replay_problems(env: RankEnv, cfg: EPConfig, comm: Communicator, y_s: torch.Tensor, y_ref: torch.Tensor,
+                     label: str) -> list[str]:
+    """Every rank's problems with a checked replay: recorded errors, or a combine unlike the eager one."""
+    problems: list[str] = []
+    try:
+        comm.check_errors()
+        problems += [f"{label} vs eager: {p}" for p in oracle.compare_combine(cfg, y_s, y_ref.float())]
+    except EPError as exc:
+        problems.append(f"{label}: {type(exc).__name__}: {exc}")
+    return [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
+
+
 def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet], args: argparse.Namespace,
                phases: Phases) -> tuple[Optional[tuple[list[float], list[float]]], list[str]]:
     """Capture dispatch and combine as two CUDA graphs, check a replay, then time replays."""
@@ -337,13 +349,7 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         g_dispatch.replay()
         eo_s.copy_(expert_outputs(cfg, env.rank, env.world_size, d_s))
         g_combine.replay()
-        problems: list[str] = []
-        try:
-            comm.check_errors()
-            problems += [f"graph replay vs eager: {p}" for p in oracle.compare_combine(cfg, y_s, y_ref.float())]
-        except EPError as exc:
-            problems.append(f"graph replay: {type(exc).__name__}: {exc}")
-        problems = [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
+        problems = _replay_problems(env, cfg, comm, y_s, y_ref, "graph replay")
     if problems:
         return None, problems
     phases.started("timing")
@@ -464,14 +470,7 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
         eo_s.copy_(expert_outputs(cfg, env.rank, env.world_size, d_s))
         graphs[2].replay()
         graphs[3].replay()
-        problems: list[str] = []
-        try:
-            comm.check_errors()
-            problems += [f"graph replay (recv hooks) vs eager: {p}"
-                         for p in oracle.compare_combine(cfg, y_s, y_ref.float())]
-        except EPError as exc:
-            problems.append(f"graph replay (recv hooks): {type(exc).__name__}: {exc}")
-        problems = [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
+        problems = _replay_problems(env, cfg, comm, y_s, y_ref, "graph replay (recv hooks)")
     if problems:
         return None, problems
     phases.started("timing")

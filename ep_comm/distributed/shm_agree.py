@@ -23,7 +23,7 @@ import time
 import zlib
 from typing import Callable, Optional, Sequence
 
-__all__ = ["SharedAgreement", "SHM_AGREE_ENV", "Arrival"]
+__all__ = ["SharedAgreement", "SHM_AGREE_ENV"]
 
 SHM_AGREE_ENV = "EP_COMM_SHM_AGREE"  # "0": always agree over gloo
 _DIR = "/dev/shm"
@@ -32,8 +32,6 @@ _RECORD = struct.Struct("<qqqqqI")  # seq, op, epoch, status, num_tokens, crc32 
 _SLOT = 64  # bytes per (rank, parity) record; the closed word follows the 2 records of a rank
 _RANK_BYTES = 2 * _SLOT + 64
 _POLL_LIVENESS_S = 0.02
-
-Arrival = tuple  # (op, epoch, status, num_tokens) of one rank
 
 
 class SharedAgreement:
@@ -100,13 +98,14 @@ class SharedAgreement:
         """Write this rank's record of its next call; returns the call's sequence number."""
         self.seq += 1
         body = struct.pack("<qqqqq", self.seq, op, epoch, status, num_tokens)
-        self._mm[self._offset(self.rank, self.seq & 1): self._offset(self.rank, self.seq & 1) + _RECORD.size] = (
-            body + struct.pack("<I", zlib.crc32(body)))
+        off = self._offset(self.rank, self.seq & 1)
+        self._mm[off: off + _RECORD.size] = body + struct.pack("<I", zlib.crc32(body))
         return self.seq
 
-    def _read(self, rank: int, seq: int) -> Optional[Arrival]:
-        """``rank``'s record of call ``seq`` when it is fully there, else None."""
-        raw = self._mm[self._offset(rank, seq & 1): self._offset(rank, seq & 1) + _RECORD.size]
+    def _read(self, rank: int, seq: int) -> Optional[tuple[int, int, int, int]]:
+        """``rank``'s record of call ``seq`` (op, epoch, status, num_tokens) when fully there, else None."""
+        off = self._offset(rank, seq & 1)
+        raw = self._mm[off: off + _RECORD.size]
         s, op, epoch, status, tokens, crc = _RECORD.unpack(raw)
         if s != seq or zlib.crc32(raw[:40]) != crc:
             return None
@@ -137,8 +136,8 @@ class SharedAgreement:
         (``"closed"``, ``"gone"`` when ``gone(missing)`` found a dead process, or ``"timeout"``)."""
         records: list = [None] * self.size
         pending = list(range(self.size))
-        deadline = time.monotonic() + timeout_s
-        next_poll = time.monotonic() + _POLL_LIVENESS_S
+        start = time.monotonic()
+        deadline, long_wait, next_poll = start + timeout_s, start + 0.05, start + _POLL_LIVENESS_S
         spins = 0
         while True:
             for r in pending:
@@ -151,7 +150,7 @@ class SharedAgreement:
             spins += 1
             now = time.monotonic()
             if spins > 200:  # give the peers the cores on busy hosts; a long wait (a slow peer) naps longer
-                time.sleep(0 if spins < 5000 else 0.0002 if now < deadline - timeout_s + 0.05 else 0.001)
+                time.sleep(0 if spins < 5000 else 0.0002 if now < long_wait else 0.001)
             if now >= next_poll:
                 next_poll = now + _POLL_LIVENESS_S
                 if gone(pending):

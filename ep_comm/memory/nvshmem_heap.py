@@ -40,10 +40,6 @@ HEAP_MARGIN = 256 << 20  # headroom over the first communicator's buffer when we
 
 def extension() -> tuple[Optional[Any], str]:
     """``(ep_comm._C_nvshmem, "")``, or ``(None, why it is missing)``."""
-    return _extension()
-
-
-def _extension() -> tuple[Optional[Any], str]:
     try:
         from .. import _C_nvshmem  # type: ignore[attr-defined]
     except ImportError as exc:
@@ -55,7 +51,7 @@ def _extension() -> tuple[Optional[Any], str]:
 
 def unavailable_reason() -> str:
     """'' when this process can use NVSHMEM (extension built and loadable), else why not."""
-    return _extension()[1]
+    return extension()[1]
 
 
 def _env_summary() -> str:
@@ -79,7 +75,7 @@ _RT = _Runtime()
 
 
 def runtime_summary() -> str:
-    ext, why = _extension()
+    ext, why = extension()
     if ext is None:
         return why
     state = ("started by ep_comm" if _RT.started_here else "started elsewhere, attached" if _RT.attached
@@ -109,7 +105,7 @@ def _captured_stderr(fn, *args):
 def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int, heap_bytes: int) -> tuple[int, ...]:
     """Start (or join) NVSHMEM for this communicator's ranks; collective over ``control``.  Returns the
     PE of every rank.  Raises ``EPError`` on every rank alike when it cannot start."""
-    ext, why = _extension()
+    ext, why = extension()
     rank, world = topology.rank, topology.world_size
     error = ""
     with _RT.lock:
@@ -170,7 +166,7 @@ def release_runtime(collective: bool) -> None:
     """One buffer fewer.  The last one drops our reference, when ``collective`` (every rank gets here):
     that finalises an NVSHMEM we started and leaves one started elsewhere running.  After a lost peer
     the runtime is left as it is, since finalising would wait for it."""
-    ext, _ = _extension()
+    ext, _ = extension()
     with _RT.lock:
         _RT.users = max(0, _RT.users - 1)
         if not collective and not _RT.poisoned:
@@ -208,7 +204,7 @@ class NvshmemBuffer:
         by stores: ``EPTopologyError`` when ``nvshmem_ptr`` gives no address for one.  With it, such
         peers get address 0 in ``peer_ptrs`` (the kernels reach them with puts)."""
         pes = acquire_runtime(control, topology, device_index, nbytes)
-        ext, _ = _extension()
+        ext, _ = extension()
         device = torch.device("cuda", device_index)
         with torch.cuda.device(device_index):
             base = ext.malloc(nbytes)
