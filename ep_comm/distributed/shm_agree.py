@@ -139,24 +139,33 @@ class SharedAgreement:
         start = time.monotonic()
         deadline, long_wait, next_poll = start + timeout_s, start + 0.05, start + _POLL_LIVENESS_S
         spins = 0
-        while True:
+
+        def read_pending() -> list[int]:
             for r in pending:
                 records[r] = self._read(r, seq)
-            pending = [r for r in pending if records[r] is None]
+            return [r for r in pending if records[r] is None]
+
+        while True:
+            pending = read_pending()
             if not pending:
                 return records, [], ""
+            why = ""
             if any(self.closed(r) for r in pending):
-                return records, pending, "closed"
+                why = "closed"
             spins += 1
             now = time.monotonic()
-            if spins > 200:  # give the peers the cores on busy hosts; a long wait (a slow peer) naps longer
+            if not why and spins > 200:  # give the peers the cores on busy hosts; a slow peer: nap longer
                 time.sleep(0 if spins < 5000 else 0.0002 if now < long_wait else 0.001)
-            if now >= next_poll:
+            if not why and now >= next_poll:
                 next_poll = now + _POLL_LIVENESS_S
-                if gone(pending):
-                    return records, pending, "gone"
-            if now >= deadline:
-                return records, pending, "timeout"
+                why = "gone" if gone(pending) else ""
+            if not why and now >= deadline:
+                why = "timeout"
+            if why:
+                # A peer writes its record before it closes or exits, and may have done both since the
+                # read above (it saw our record and moved on): only a record still absent now is missing.
+                pending = read_pending()
+                return records, pending, why if pending else ""
 
     def close(self) -> None:
         self.mark_closed()

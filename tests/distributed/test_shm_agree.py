@@ -63,3 +63,36 @@ def test_wait_ends_on_timeout_on_a_closed_peer_and_on_a_dead_one():
 
 def test_record_layout_fits_its_slot():
     assert shm_agree._RECORD.size <= shm_agree._SLOT
+
+
+def test_peer_that_wrote_then_closed_between_read_and_check_is_not_missing(monkeypatch):
+    """The race CI hit: the peer posts its record, sees ours, finishes the call and closes, all between
+    our read of its slot and our look at its closed word; its record is there, so the call succeeded."""
+    a, b = _pair()
+    seq = a.post(2, 3, 0, 1)
+    real_read = SharedAgreement._read
+    first = {"done": False}
+
+    def read_then_peer_finishes(self, rank, s):
+        out = real_read(self, rank, s)
+        if rank == 1 and not first["done"]:
+            first["done"] = True
+            b.post(2, 3, 0, 4)  # between our read and our closed check
+            b.mark_closed()
+        return out
+
+    monkeypatch.setattr(SharedAgreement, "_read", read_then_peer_finishes)
+    recs, missing, why = a.wait(seq, 5.0, lambda ranks: False)
+    assert (missing, why) == ([], "") and recs == [(2, 3, 0, 1), (2, 3, 0, 4)]
+
+
+def test_peer_that_wrote_then_exited_between_read_and_poll_is_not_missing():
+    a, b = _pair()
+    seq = a.post(1, 0, 0, 1)
+
+    def gone_after_writing(ranks):
+        b.post(1, 0, 0, 2)  # it wrote its record and exited just before the liveness poll
+        return True
+
+    recs, missing, why = a.wait(seq, 5.0, gone_after_writing)
+    assert (missing, why) == ([], "") and recs[1] == (1, 0, 0, 2)
