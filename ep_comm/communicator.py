@@ -17,7 +17,7 @@ from .layouts import Dispatched
 from .quant import quantize_fp8
 from .routing import check_ids, sanitize_routing
 from .backends.base import FLAG_EPOCH_MISMATCH, FLAG_INVALID_IDS, FLAG_TOKEN_OVERFLOW, NUM_FLAGS
-from .validation import validate_combine, validate_dispatch
+from .validation import InputChecks
 
 
 def _group_device(group) -> torch.device:
@@ -61,6 +61,7 @@ class Communicator:
         self.device = _group_device(group) if device is None else torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._checks = InputChecks(cfg, self.device)
         self._closed = True  # until fully built: close() and the calls refuse a half-made communicator
         self.control = ControlPlane(group, cfg.timeout_s)
         try:
@@ -149,7 +150,7 @@ class Communicator:
         capturing = self._capturing()
         error: Optional[BaseException] = None
         try:
-            validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
+            self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
             if not capturing and not _gathered.ids_in_range(topk_ids, self.cfg.num_experts):
                 check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
@@ -215,7 +216,7 @@ class Communicator:
         try:
             if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
-            validate_combine(self.cfg, self.device, expert_out, dispatched, out)
+            self._checks.combine(expert_out, dispatched, out)
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
             error = exc if isinstance(exc, EPError) else EPInputError(f"invalid combine input: {exc!r}")
         wait = None
@@ -296,7 +297,7 @@ class Communicator:
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
         earlier_drops = host_checks and self._before_kernel_call()
         try:
-            validate_dispatch(self.cfg, self.device, x, topk_ids, topk_weights, x_scales)
+            self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
             self._impl.check_inputs(x, x_scales)
             if host_checks and self.cfg.validate_ids and not self._impl.check_ids(topk_ids):
                 check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
@@ -322,7 +323,7 @@ class Communicator:
         try:
             if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
-            validate_combine(self.cfg, self.device, expert_out, dispatched, out)
+            self._checks.combine(expert_out, dispatched, out)
         except Exception as exc:  # noqa: BLE001
             self._abandon_call(exc)
             if isinstance(exc, EPError):

@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
                    help="EPConfig.validate_ids of kernel backends: off skips the host check (one sync) of expert "
                         "ids in eager dispatch (default: on)")
+    p.add_argument("--eager-launch", choices=("queued", "idle"), default="queued",
+                   help="eager mode on GPUs: queued (default) issues each call while the GPU is still busy, as an "
+                        "engine's stream is and as graph replays are timed, so p50 is device time and host_us the "
+                        "host's time per call; idle issues each call to an idle GPU (host time inside p50)")
     p.add_argument("--iters", type=int, default=50, help="timed dispatch+combine pairs per config (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed pairs first (default: 10)")
     p.add_argument("--sets", type=int, default=5, help="run sets with fresh random routing (default: 5)")
@@ -240,7 +244,8 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     report.failure(resolved, layout, tokens, problems)
                     continue
                 ops = ("dispatch", "combine") + (HALF_OPS if halves is not None else ())
-                samples = [*timed, *(halves or ())]
+                host = timed[2:]  # eager: host µs per dispatch / combine call
+                samples = [*timed[:2], *(halves or ()), *host]
                 stats = gather_objects(env, ([percentiles(s) for s in samples], phases.take(), phases.total))
                 row_phases = max_over_ranks([s[1] for s in stats])
                 rows = []
@@ -257,6 +262,9 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                         "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
                         "phase_s": row_phases,
                     })
+                    if host:  # eager: the host's own time per whole call, max over ranks of its p50
+                        rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
+                                                   if i < len(host) else None)
                 if args.peer:
                     _add_peer_columns(rows, peer_rows, args.quant == "fp8")
                 timed_rows += len(rows)

@@ -284,10 +284,23 @@ class LinedUp:
         self.seconds = 0.0
 
 
+def eager_queued(env: RankEnv, args: argparse.Namespace) -> bool:
+    """Whether eager calls are issued while the GPU is still busy (``--eager-launch queued``, CUDA only)."""
+    return env.device.type == "cuda" and getattr(args, "eager_launch", "queued") == "queued"
+
+
 def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet], args: argparse.Namespace,
-               phases: Phases) -> tuple[list[float], list[float]]:
-    """Per-op µs of eager dispatch and combine; ranks line up on the host before every pair."""
+               phases: Phases) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-op µs of eager dispatch and combine on the device, then per-op µs of host time per call.
+
+    The ranks line up before every pair.  ``--eager-launch queued`` (default): as for graph replays, the
+    GPU busy-waits while the host issues the call, and the GPUs are lined up again before the combine,
+    so the device time is the op's own, as in an engine whose stream is busy when it calls (host
+    syncs inside the call, e.g. the id check, still show: the GPU idles while the host catches up).
+    ``idle``: every call is issued to an idle GPU, so the host's issue time is inside the device time.
+    """
     cache: dict = {}
+    queued = eager_queued(env, args)
     with phases("warmup"):
         for _ in range(args.warmup):
             d = comm.dispatch(sets[0].inp.x, sets[0].inp.topk_ids, sets[0].inp.topk_weights, sets[0].inp.x_scales)
@@ -295,19 +308,31 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
+    host_d: list[float] = []
+    host_c: list[float] = []
     for rs, n in zip(sets, split_iters(args)):
         inp = rs.inp
         for _ in range(n):
-            barrier()
+            barrier(hide_launch=queued)
             t0 = timer.stamp()
+            h0 = time.perf_counter()
             d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights, inp.x_scales)
+            h1 = time.perf_counter()
             t1 = timer.stamp()
-            comm.combine(_expert_buffer(cache, cfg, d, env.device), d)
+            expert_out = _expert_buffer(cache, cfg, d, env.device)
+            if queued:
+                align_devices(env, hide_launch=True)
             t2 = timer.stamp()
-            timer.add([t0, t1, t2])
-    disp, comb = timer.sections_us()
+            h2 = time.perf_counter()
+            comm.combine(expert_out, d)
+            h3 = time.perf_counter()
+            t3 = timer.stamp()
+            timer.add([t0, t1, t2, t3])
+            host_d.append((h1 - h0) * 1e6)
+            host_c.append((h3 - h2) * 1e6)
+    disp, _gap, comb = timer.sections_us()
     barrier.book(phases, "timing", t_start)
-    return disp, comb
+    return disp, comb, host_d, host_c
 
 
 def _replay_problems(env: RankEnv, cfg: EPConfig, comm: Communicator, y_s: torch.Tensor, y_ref: torch.Tensor,
@@ -400,7 +425,8 @@ def hooked_combine(comm: Communicator, expert_out: torch.Tensor, d: Dispatched) 
 def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet],
                      args: argparse.Namespace, phases: Phases) -> HalfTimes:
     """Per-half µs of eager split calls (``HALF_OPS`` order), timed like ``time_eager`` times whole calls:
-    one host line-up per iteration, then the four halves back to back, each between its own stamps."""
+    one line-up per iteration, then the four halves, each between its own stamps (queued: the GPUs lined
+    up again before each half, as ``time_hooks_graph`` does)."""
     cache: dict = {}
     with phases("warmup"):
         for _ in range(args.warmup):
@@ -410,21 +436,34 @@ def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
+    queued = eager_queued(env, args)
+
+    def next_half() -> None:  # queued: as time_hooks_graph, each half starts together on every GPU
+        if queued:
+            align_devices(env, hide_launch=True)
+
     for rs, n in zip(sets, split_iters(args)):
         inp = rs.inp
         for _ in range(n):
-            barrier()
-            t0 = timer.stamp()
+            barrier(hide_launch=queued)
+            s = [timer.stamp()]
             d, d_hook = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights, inp.x_scales, return_recv_hook=True)
-            t1 = timer.stamp()
+            s.append(timer.stamp())
+            next_half()
+            s.append(timer.stamp())
             d_hook()
-            t2 = timer.stamp()
-            _, c_hook = comm.combine(_expert_buffer(cache, cfg, d, env.device), d, return_recv_hook=True)
-            t3 = timer.stamp()
+            s.append(timer.stamp())
+            expert_out = _expert_buffer(cache, cfg, d, env.device)
+            next_half()
+            s.append(timer.stamp())
+            _, c_hook = comm.combine(expert_out, d, return_recv_hook=True)
+            s.append(timer.stamp())
+            next_half()
+            s.append(timer.stamp())
             c_hook()
-            t4 = timer.stamp()
-            timer.add([t0, t1, t2, t3, t4])
-    d_send, d_recv, c_send, c_recv = timer.sections_us()
+            s.append(timer.stamp())
+            timer.add(s)
+    d_send, d_recv, c_send, c_recv = timer.sections_us()[::2]  # the odd sections are the line-ups
     barrier.book(phases, "timing", t_start)
     return d_send, d_recv, c_send, c_recv
 

@@ -67,6 +67,8 @@ class Reporter:
             (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
             ("ratio", 5, True, "ratio", _num(".2f")),
         ]
+        if args.mode == "eager":
+            self.columns.insert(6, ("host_us", 7, True, "host_p50_us", _num(".1f")))
         if with_peer:
             self.columns += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),
                              ("peer_p50_us", 11, True, "peer_p50_us", _num(".1f")),
@@ -85,6 +87,7 @@ class Reporter:
                 "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
                 "validate_ids": getattr(args, "validate_ids", "on"), "recv_hook": recv_hook,
+                "eager_launch": getattr(args, "eager_launch", "queued") if args.mode == "eager" else None,
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
