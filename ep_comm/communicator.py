@@ -105,8 +105,12 @@ class Communicator:
         everyone = self.control.gather_objects(local)
 
         def blocker(name: str) -> str:
-            reasons = [f"rank {r}: {v[name]}" for r, v in enumerate(everyone) if v.get(name, "unknown")]
-            return "; ".join(reasons)
+            # one entry per distinct reason: at 72 ranks the same reason must not be repeated 72 times
+            by_reason: dict[str, list[int]] = {}
+            for r, v in enumerate(everyone):
+                if v.get(name, "unknown"):
+                    by_reason.setdefault(v.get(name, "unknown"), []).append(r)
+            return "; ".join(f"{_rank_list(ranks)}: {why}" for why, ranks in by_reason.items())
 
         if requested != "auto":
             why = blocker(requested)
@@ -388,6 +392,20 @@ class Communicator:
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5`` (sorted ranks, runs collapsed)."""
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
 
 
 def _settle(wait) -> None:

@@ -67,7 +67,7 @@ class Reporter:
             (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
             ("ratio", 5, True, "ratio", _num(".2f")),
         ]
-        if args.mode == "eager":
+        if args.mode == "eager" and env.device.type == "cuda":  # on CPUs p50 already is host time
             self.columns.insert(6, ("host_us", 7, True, "host_p50_us", _num(".1f")))
         if with_peer:
             self.columns += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),

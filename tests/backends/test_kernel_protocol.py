@@ -134,6 +134,7 @@ def _cpu_mnnvl_worker() -> tuple[str, str]:
 def test_mnnvl_on_cpu_says_why_and_auto_falls_back():
     for msg, auto in raise_on_failure(spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120)):
         assert "mnnvl" in msg and "needs CUDA" in msg, msg
+        assert msg.count("needs CUDA") == 1 and "ranks 0-1: needs CUDA" in msg, msg  # one line per reason
         assert auto == "ag_rs"
 
 
