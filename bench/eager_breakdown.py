@@ -153,6 +153,9 @@ def rank_main(args: argparse.Namespace) -> dict:
             comm.control.agree_start = agree_start
         else:  # a tree from before the split agreement
             comm.control.agree = _wrap(acc, "host agreement (gloo)", comm.control.agree, cuda and args.sync)
+        checks = getattr(comm, "_checks", None)  # the input checks (module functions in older trees)
+        for name in ("dispatch", "combine") if checks is not None else ():
+            setattr(checks, name, _wrap(acc, "validate", getattr(checks, name), cuda and args.sync))
         for name, label in (KERNEL_PIECES if getattr(comm._impl, "kernel", False) else BACKEND_PIECES).items():
             if hasattr(comm._impl, name):
                 setattr(comm._impl, name, _wrap(acc, label, getattr(comm._impl, name), cuda and args.sync))
