@@ -32,6 +32,7 @@ _RECORD = struct.Struct("<qqqqqI")  # seq, op, epoch, status, num_tokens, crc32 
 _SLOT = 64  # bytes per (rank, parity) record; the closed word follows the 2 records of a rank
 _RANK_BYTES = 2 * _SLOT + 64
 _POLL_LIVENESS_S = 0.02
+_GRACE_S = 0.002  # before a wait ends without a record: look again for this long
 
 
 class SharedAgreement:
@@ -164,7 +165,12 @@ class SharedAgreement:
             if why:
                 # A peer writes its record before it closes or exits, and may have done both since the
                 # read above (it saw our record and moved on): only a record still absent now is missing.
+                # The grace covers hosts whose stores may become visible out of order (aarch64).
+                grace = time.monotonic() + _GRACE_S
                 pending = read_pending()
+                while pending and time.monotonic() < grace:
+                    time.sleep(0)
+                    pending = read_pending()
                 return records, pending, why if pending else ""
 
     def close(self) -> None:
