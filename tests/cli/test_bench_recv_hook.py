@@ -130,3 +130,7 @@ def test_mnnvl_halves_are_checked_and_timed_on_gpus(cli, tmp_path, mode):
     for r in doc["results"]:
         assert r["mode"] == mode and 0 < r["p50_us"] <= r["p90_us"], r
         assert (r["gbps"] is None) == (r["op"] in HALF_OPS), r
+        if mode == "eager":  # whole calls carry the host's time per call, the halves none
+            assert (r["host_p50_us"] is None) == (r["op"] in HALF_OPS), r
+            assert r["op"] in HALF_OPS or r["host_p50_us"] > 0, r
+    assert doc["eager_launch"] == ("queued" if mode == "eager" else None)
