@@ -56,7 +56,7 @@ class RoutedBatch:
     """One rank's dispatch input after validation, routing guard and quantisation.
 
     ``x [T, W]`` payload (any dtype, row-contiguous), ``x_scales [T, S]`` or None, ``topk_ids [T, k]``
-    int64 global ids with duplicates merged and invalid ids set to -1, ``topk_weights [T, k]`` float32
+    int32/int64 global ids with duplicates merged and invalid ids set to -1, ``topk_weights [T, k]`` float32
     (0 on -1 slots).  ``peer_tokens`` holds every rank's T when the control plane exchanged it (eager
     mode) and None while capturing a CUDA graph (sizes must then be static).
     """

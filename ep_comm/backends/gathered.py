@@ -128,25 +128,26 @@ _EARLIER: dict = {}
 
 def merge_duplicates(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing guard (docs/design.md §8) for ids already checked to be -1 or valid (eager calls):
-    what ``routing.sanitize_routing`` returns, without its invalid-id pass, in about half the kernels.
+    what ``routing.sanitize_routing`` returns, without its invalid-id pass, in under half the kernels.
 
-    Returns int64 ids with each expert kept in its first slot only (-1 elsewhere) and float32 weights
-    with the duplicates' weights summed into that slot (0 on -1 slots).
+    Returns the ids (in their own dtype, int32 or int64) with each expert kept in its first slot only
+    (-1 elsewhere) and float32 weights with the duplicates' weights summed into that slot (0 on -1 slots).
     """
-    ids = topk_ids.to(torch.int64)
+    ids = topk_ids
     weights = topk_weights.to(torch.float32)
     k = ids.shape[1]
     key = (k, ids.device)
     earlier = _EARLIER.get(key)
     if earlier is None:
         earlier = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
-    valid = ids >= 0
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & valid.unsqueeze(2)  # [T, k, k]
-    is_dup = (same & earlier).any(dim=2)  # only valid slots can be duplicates
-    keep = valid ^ is_dup  # = valid & ~is_dup, one kernel
+    # same[t, i, j]: slots i and j of token t hold one id.  -1 slots match each other too, which is
+    # harmless: a -1 slot is dropped by `keep` whatever its duplicates, and its summed weight unused.
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [T, k, k]
+    is_dup = (same & earlier).any(dim=2)
+    keep = (ids >= 0) > is_dup  # valid and not a repeat: bool ">" is "and not", one kernel
     zero = _zero(ids.device)
     merged = torch.where(same, weights.unsqueeze(1), zero).sum(dim=2)
-    return torch.where(keep, ids, _const(-1, torch.int64, ids.device)), torch.where(keep, merged, zero)
+    return torch.where(keep, ids, _const(-1, ids.dtype, ids.device)), torch.where(keep, merged, zero)
 
 
 def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
