@@ -341,8 +341,9 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync)."""
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
     first = ctx.rank * L
-    # ids are -1 or valid global ids here (the routing guard ran): -1 < first, so two compares suffice
-    is_local = (g.ids >= first) & (g.ids < first + L)
+    # ids are -1 or valid global ids here (the routing guard ran): the owner of id i is i // L (contiguous
+    # blocks), and -1 // L = -1 is nobody's
+    is_local = torch.div(g.ids, L, rounding_mode="floor") == ctx.rank
     dev = g.ids.device
     local_ids = torch.where(is_local, g.ids - first, _const(-1, torch.int32, dev))  # int32 like g.ids
     local_w = torch.where(is_local, g.weights, _zero(dev))
