@@ -262,8 +262,10 @@ def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
 class Gathered:
     """All ranks' tokens concatenated rank-major: rows ``[offsets[r], offsets[r] + rows[r])`` are rank r's."""
 
-    ids: torch.Tensor  # [R, k] int32 global ids (-1 padding)
-    weights: torch.Tensor  # [R, k] float32
+    # [R, k], or [world, R / world, k] strided views of the gathered buffer when every rank sent as many
+    # rows (selection reads them in place: no copy)
+    ids: torch.Tensor  # int32 global ids (-1 padding)
+    weights: torch.Tensor  # float32
     x: torch.Tensor  # [R, *tail] payload dtype
     x_scales: Optional[torch.Tensor]  # [R, S]
     rows: list[int]
@@ -283,8 +285,8 @@ def unpack(buffers, layouts: Sequence[PackLayout], headers: bool = True) -> Gath
         if lay.s_dtype is not None:
             s = field(lay.s_off, n * lay.s_row_bytes, lay.s_dtype).reshape(world * n, lay.s_width)
         return Gathered(
-            ids=field(lay.ids_off, n * k * 4, torch.int32).reshape(world * n, k),
-            weights=field(lay.w_off, n * k * 4, torch.float32).reshape(world * n, k),
+            ids=field(lay.ids_off, n * k * 4, torch.int32).view(world, n, k),
+            weights=field(lay.w_off, n * k * 4, torch.float32).view(world, n, k),
             x=field(lay.x_off, n * lay.x_row_bytes, lay.x_dtype).reshape(world * n, *lay.x_shape_tail),
             x_scales=s,
             rows=[n] * world,
@@ -344,10 +346,11 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) 
     # ids are -1 or valid global ids here (the routing guard ran): the owner of id i is i // L (contiguous
     # blocks), and -1 // L = -1 is nobody's
     is_local = torch.div(g.ids, L, rounding_mode="floor") == ctx.rank
-    dev = g.ids.device
-    local_ids = torch.where(is_local, g.ids - first, _const(-1, torch.int32, dev))  # int32 like g.ids
-    local_w = torch.where(is_local, g.weights, _zero(dev))
-    row_valid = is_local.any(dim=1)
+    dev, k = g.ids.device, g.ids.shape[-1]
+    # the results are fresh contiguous tensors, so the [R, k] reshapes are views
+    local_ids = torch.where(is_local, g.ids - first, _const(-1, torch.int32, dev)).reshape(-1, k)  # int32
+    local_w = torch.where(is_local, g.weights, _zero(dev)).reshape(-1, k)
+    row_valid = is_local.any(dim=-1).reshape(-1)
 
     if cfg.layout == "standard":
         handle = GatherHandle(g.rows, row_valid, None, local_w)
