@@ -173,13 +173,13 @@ class Communicator:
             if capturing:
                 ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
                 self._error_flags[FLAG_INVALID_IDS] += num_invalid
-            else:  # ids were checked in range above: only duplicates are left to merge
-                ids, weights = _gathered.merge_duplicates(topk_ids, topk_weights)
+            else:  # ids were checked in range above: the receivers merge duplicates as they select
+                ids, weights = topk_ids, topk_weights
             if self.cfg.quant == "fp8":
                 payload, scales = quantize_fp8(x)
             else:
                 payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
-            batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None)
+            batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None, merged=capturing)
             prepared = self._impl.prepare_dispatch(batch, eager=not capturing)
         except BaseException:
             _settle(wait)

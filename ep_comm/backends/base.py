@@ -56,9 +56,11 @@ class RoutedBatch:
     """One rank's dispatch input after validation, routing guard and quantisation.
 
     ``x [T, W]`` payload (any dtype, row-contiguous), ``x_scales [T, S]`` or None, ``topk_ids [T, k]``
-    int32/int64 global ids with duplicates merged and invalid ids set to -1, ``topk_weights [T, k]`` float32
-    (0 on -1 slots).  ``peer_tokens`` holds every rank's T when the control plane exchanged it (eager
-    mode) and None while capturing a CUDA graph (sizes must then be static).
+    int32/int64 global ids, -1 or valid, ``topk_weights [T, k]`` float32.  ``merged``: duplicates are
+    already merged (weights summed into the first slot, 0 on -1 slots); when False (eager collective
+    calls) the receiver merges them while it selects its pairs.  ``peer_tokens`` holds every rank's T
+    when the control plane exchanged it (eager mode) and None while capturing a CUDA graph (sizes must
+    then be static).
     """
 
     x: torch.Tensor
@@ -67,6 +69,7 @@ class RoutedBatch:
     topk_weights: torch.Tensor
     epoch: int
     peer_tokens: Optional[Sequence[int]]
+    merged: bool = True
 
     @property
     def num_tokens(self) -> int:

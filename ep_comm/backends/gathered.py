@@ -88,7 +88,7 @@ class CollectiveBackend:
         g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts, headers=prepared.checks)
         if prepared.checks:
             check_dispatch_headers(ctx, g, OP_DISPATCH, batch.epoch)
-        return select_local(ctx, g, batch.num_tokens, batch.epoch)
+        return select_local(ctx, g, batch.num_tokens, batch.epoch, merge=not batch.merged)
 
     def prepare_combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> "PreparedCombine":
         """This rank's float32 partial outputs in the reduction buffer (local work only)."""
@@ -126,28 +126,14 @@ class PreparedCombine:
 _EARLIER: dict = {}
 
 
-def merge_duplicates(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing guard (docs/design.md §8) for ids already checked to be -1 or valid (eager calls):
-    what ``routing.sanitize_routing`` returns, without its invalid-id pass, in under half the kernels.
-
-    Returns the ids (in their own dtype, int32 or int64) with each expert kept in its first slot only
-    (-1 elsewhere) and float32 weights with the duplicates' weights summed into that slot (0 on -1 slots).
-    """
-    ids = topk_ids
-    weights = topk_weights.to(torch.float32)
-    k = ids.shape[1]
-    key = (k, ids.device)
+def _earlier(k: int, device: torch.device) -> torch.Tensor:
+    """``[k, k]`` bool, True below the diagonal: slot j comes before slot i (made once per k and device;
+    only eager calls use it, never a graph capture)."""
+    key = (k, device)
     earlier = _EARLIER.get(key)
     if earlier is None:
-        earlier = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
-    # same[t, i, j]: slots i and j of token t hold one id.  -1 slots match each other too, which is
-    # harmless: a -1 slot is dropped by `keep` whatever its duplicates, and its summed weight unused.
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [T, k, k]
-    is_dup = (same & earlier).any(dim=2)
-    keep = (ids >= 0) > is_dup  # valid and not a repeat: bool ">" is "and not", one kernel
-    zero = _zero(ids.device)
-    merged = torch.where(same, weights.unsqueeze(1), zero).sum(dim=2)
-    return torch.where(keep, ids, _const(-1, ids.dtype, ids.device)), torch.where(keep, merged, zero)
+        earlier = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=device).tril(diagonal=-1)
+    return earlier
 
 
 def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
@@ -339,17 +325,32 @@ def _as_words(rows: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int) -> Dispatched:
-    """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync)."""
+def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, merge: bool = False) -> Dispatched:
+    """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync).
+
+    The gathered ids are -1 or valid global ids.  ``merge``: they may still repeat an expert within a
+    token's row (eager calls send the caller's ids as they are): the routing guard then happens here,
+    on the local pairs, keeping each expert in its first slot with the row's weights for it summed.
+    That is the same result as merging before sending, in fewer kernels (the guard and the selection
+    share their work); CUDA-graph captures merge on the sender (``sanitize_routing``, which also counts
+    invalid ids) and pass ``merge=False``.
+    """
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
     first = ctx.rank * L
-    # ids are -1 or valid global ids here (the routing guard ran): the owner of id i is i // L (contiguous
-    # blocks), and -1 // L = -1 is nobody's
+    # the owner of id i is i // L (contiguous blocks); -1 // L = -1 is nobody's
     is_local = torch.div(g.ids, L, rounding_mode="floor") == ctx.rank
     dev, k = g.ids.device, g.ids.shape[-1]
+    zero = _zero(dev)
+    weights = g.weights
+    if merge:
+        same = g.ids.unsqueeze(-1) == g.ids.unsqueeze(-2)  # [..., k, k]: slots i and j hold one id
+        repeat = (same & _earlier(k, dev)).any(dim=-1)
+        is_local = is_local > repeat  # local and the expert's first slot: bool ">" is "and not"
+        # -1 slots match each other only; they are never local, so their sums are never read
+        weights = torch.where(same, g.weights.unsqueeze(-2), zero).sum(dim=-1)
     # the results are fresh contiguous tensors, so the [R, k] reshapes are views
     local_ids = torch.where(is_local, g.ids - first, _const(-1, torch.int32, dev)).reshape(-1, k)  # int32
-    local_w = torch.where(is_local, g.weights, _zero(dev)).reshape(-1, k)
+    local_w = torch.where(is_local, weights, zero).reshape(-1, k)
     row_valid = is_local.any(dim=-1).reshape(-1)
 
     if cfg.layout == "standard":

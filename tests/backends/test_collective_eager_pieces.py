@@ -5,22 +5,56 @@ import pytest
 import torch
 
 from ep_comm.backends import RoutedBatch
-from ep_comm.backends.gathered import ids_in_range, layout_for, merge_duplicates, pack, unpack
+from ep_comm import EPConfig
+from ep_comm.backends.gathered import Gathered, ids_in_range, layout_for, pack, select_local, unpack
 from ep_comm.routing import sanitize_routing
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_merge_duplicates_matches_sanitize_routing(dtype):
+class _Ctx:
+    """What ``select_local`` reads of a BackendContext."""
+
+    def __init__(self, layout: str, rank: int, world: int, experts: int, max_tokens: int, k: int):
+        self.cfg = EPConfig(num_experts=experts, top_k=k, hidden=8, max_tokens_per_rank=max_tokens,
+                            dtype=torch.bfloat16, layout=layout)
+        self.rank, self.num_local_experts = rank, experts // world
+        self.capacity = self.cfg.capacity(world)
+
+
+@pytest.mark.parametrize("layout", ["standard", "batched"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_merging_on_the_receiver_equals_sanitizing_on_the_sender(layout, stacked):
+    """Eager calls send the caller's ids and merge duplicates while selecting (``merge=True``); graph
+    captures sanitize first.  Both must give every rank the same Dispatched."""
     seed = random.SystemRandom().randrange(1 << 31)
     g = torch.Generator().manual_seed(seed)
-    t, k, experts = 64, 6, 9  # few experts: many duplicates
-    ids = torch.randint(-1, experts, (t, k), generator=g).to(dtype)
-    weights = torch.rand(t, k, generator=g)
-    want_ids, want_w, invalid = sanitize_routing(ids, weights, experts)
-    got_ids, got_w = merge_duplicates(ids, weights)
+    world, rows, k, experts = 3, 16, 6, 9  # few experts: many duplicates, -1 slots too
+    raw_ids = torch.randint(-1, experts, (world * rows, k), generator=g, dtype=torch.int32)
+    weights = torch.rand(world * rows, k, generator=g)
+    clean_ids, clean_w, invalid = sanitize_routing(raw_ids, weights, experts)
     assert int(invalid) == 0
-    assert got_ids.dtype == dtype and torch.equal(got_ids.to(torch.int64), want_ids), f"seed {seed}"
-    torch.testing.assert_close(got_w, want_w, msg=lambda m: f"seed {seed}: {m}")
+    x = torch.randn(world * rows, 8, generator=g).to(torch.bfloat16)
+
+    def gathered(ids, w):
+        if stacked:  # the equal-size path hands [world, rows, k] views
+            ids, w = ids.view(world, rows, k), w.view(world, rows, k)
+        return Gathered(ids=ids, weights=w, x=x, x_scales=None, rows=[rows] * world, headers=None)
+
+    for rank in range(world):
+        ctx = _Ctx(layout, rank, world, experts, rows, k)
+        got = select_local(ctx, gathered(raw_ids, weights), rows, 0, merge=True)
+        want = select_local(ctx, gathered(clean_ids.to(torch.int32), clean_w), rows, 0, merge=False)
+        msg = f"seed {seed}, rank {rank}, {layout}"
+        assert torch.equal(got.handle.row_valid, want.handle.row_valid), msg
+        torch.testing.assert_close(got.handle.local_weights, want.handle.local_weights, msg=msg)
+        if layout == "standard":
+            assert torch.equal(got.topk_ids, want.topk_ids), msg
+            torch.testing.assert_close(got.topk_weights, want.topk_weights, msg=msg)
+        else:
+            assert torch.equal(got.expert_num_tokens, want.expert_num_tokens), msg
+            assert torch.equal(got.handle.dest, want.handle.dest), msg
+            n = got.expert_num_tokens.tolist()
+            for e in range(ctx.num_local_experts):
+                assert torch.equal(got.x[e, : n[e]], want.x[e, : n[e]]), msg
 
 
 def test_ids_in_range():
