@@ -87,7 +87,9 @@ class Reporter:
                 "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
                 "validate_ids": getattr(args, "validate_ids", "on"), "recv_hook": recv_hook,
-                "eager_launch": getattr(args, "eager_launch", "queued") if args.mode == "eager" else None,
+                # how eager calls were issued to the GPU (None: graph mode, or CPU ranks, where it means nothing)
+                "eager_launch": (getattr(args, "eager_launch", "queued")
+                                 if args.mode == "eager" and env.device.type == "cuda" else None),
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
