@@ -81,7 +81,7 @@ class CollectiveBackend:
         ctx = self.ctx
         if prepared is None:
             prepared = self.prepare_dispatch(batch, eager=batch.peer_tokens is not None)
-        layouts = [layout_for(batch, n) for n in self.rows_per_rank(batch)]
+        layouts = layouts_for(batch, self.rows_per_rank(batch))
         if layouts[ctx.rank] != prepared.layout:  # the agreed counts contradict what was packed
             raise EPError(f"rank {ctx.rank}: packed {prepared.layout.rows} token slots but the agreed counts say "
                           f"{layouts[ctx.rank].rows}")
@@ -166,7 +166,8 @@ def epoch_code(op: int, epoch: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PackLayout:
-    """Byte offsets of the per-rank packed buffer for ``rows`` token slots."""
+    """Byte offsets of the per-rank packed buffer for ``rows`` token slots (computed once per object;
+    ``layout_for`` hands out one object per shape)."""
 
     rows: int
     top_k: int
@@ -175,44 +176,55 @@ class PackLayout:
     s_width: int
     s_dtype: Optional[torch.dtype]
 
-    @property
+    @functools.cached_property
     def x_row_bytes(self) -> int:
         n = 1
         for d in self.x_shape_tail:
             n *= d
         return n * self.x_dtype.itemsize
 
-    @property
+    @functools.cached_property
     def s_row_bytes(self) -> int:
         return 0 if self.s_dtype is None else self.s_width * self.s_dtype.itemsize
 
-    @property
+    @functools.cached_property
     def ids_off(self) -> int:
         return _align(HEADER_INTS * 4)
 
-    @property
+    @functools.cached_property
     def w_off(self) -> int:
         return self.ids_off + _align(self.rows * self.top_k * 4)
 
-    @property
+    @functools.cached_property
     def x_off(self) -> int:
         return self.w_off + _align(self.rows * self.top_k * 4)
 
-    @property
+    @functools.cached_property
     def s_off(self) -> int:
         return self.x_off + _align(self.rows * self.x_row_bytes)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.s_off + _align(self.rows * self.s_row_bytes)
 
 
 def layout_for(batch: RoutedBatch, rows: int) -> PackLayout:
+    return layouts_for(batch, (rows,))[0]
+
+
+def layouts_for(batch: RoutedBatch, rows: Sequence[int]) -> list[PackLayout]:
+    """The layout of a buffer of ``n`` token slots of ``batch``'s shape, for each ``n`` in ``rows``."""
     s = batch.x_scales
-    return PackLayout(
-        rows, batch.topk_ids.shape[1], tuple(batch.x.shape[1:]), batch.x.dtype,
-        0 if s is None else s.shape[1], None if s is None else s.dtype,
-    )
+    shape = (batch.topk_ids.shape[1], tuple(batch.x.shape[1:]), batch.x.dtype,
+             0 if s is None else s.shape[1], None if s is None else s.dtype)
+    return [_layout(n, *shape) for n in rows]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(*fields) -> PackLayout:
+    # one object per shape: a dispatch asks for world + 1 layouts, and their offsets are Python
+    # arithmetic (24 µs per EP8 dispatch on the CPU before)
+    return PackLayout(*fields)
 
 
 def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
