@@ -122,6 +122,8 @@ class ControlPlane:
         self.broken: Optional[str] = None
         self._shm: Optional[SharedAgreement] = None  # set once the ranks are known to share a host
         self._store_ok = True  # False once the store failed us (its host may be the dead rank)
+        self._record_tensors = (torch.zeros(4, dtype=torch.int64),
+                                [torch.zeros(4, dtype=torch.int64) for _ in range(self.size)])
         self.identities: list[ProcessIdentity] = []
         self._pg: Optional[dist.ProcessGroupGloo] = dist.ProcessGroupGloo(
             dist.PrefixStore("gloo/", self.store), self.rank, self.size,
@@ -149,13 +151,15 @@ class ControlPlane:
     def _allgather(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1) -> list[torch.Tensor]:
         return self._allgather_start(tensor, op, epoch)()
 
-    def _allgather_start(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1):
+    def _allgather_start(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1,
+                         outs: Optional[list[torch.Tensor]] = None):
         """Start an all-gather on gloo's own threads; returns ``wait() -> list[Tensor]`` that raises the
         typed failure.  The caller can do local work (launch kernels) while the peers answer."""
         pg = self._pg
         if pg is None:
             raise EPError("the communicator's control plane is closed")
-        outs = [torch.empty_like(tensor) for _ in range(self.size)]
+        if outs is None:
+            outs = [torch.empty_like(tensor) for _ in range(self.size)]
         try:
             work = pg.allgather([outs], [tensor])
         except RuntimeError as exc:
@@ -191,16 +195,22 @@ class ControlPlane:
         if self.broken:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
         status = 1 if error is not None else 0
+        if self.size == 1:  # nobody to agree with: only this rank's own error can be raised
+            return lambda: self._checked([PeerStatus(0, op, epoch, status, num_tokens)], op, epoch, error)
         if self._shm is not None:
             return self._shm_agree_start(op, epoch, status, num_tokens, error)
-        self._record_arrival(op, epoch)
-        mine = torch.tensor([op, epoch, status, num_tokens], dtype=torch.int64)
-        gathered_wait = self._allgather_start(mine, op, epoch)
+        # calls are sequential (each start is waited for before the next), so one set of record tensors
+        # serves every call; filling it through numpy costs less than building a tensor from a list
+        rec, outs = self._record_tensors
+        rec.numpy()[:] = (op, epoch, status, num_tokens)
+        gathered_wait = self._allgather_start(rec, op, epoch, outs)
 
         def wait() -> list[PeerStatus]:
+            # the arrival record is advisory (it names where a rank was when an exchange fails); written
+            # here, before this rank blocks, its store round trip overlaps the records in flight
+            self._record_arrival(op, epoch)
             gathered = gathered_wait()  # a failure raises the typed error naming the peers
-            return self._checked([PeerStatus(r, *map(int, t.tolist())) for r, t in enumerate(gathered)], op, epoch,
-                                 error)
+            return self._checked([PeerStatus(r, *t.tolist()) for r, t in enumerate(gathered)], op, epoch, error)
         return wait
 
     def _shm_agree_start(self, op: int, epoch: int, status: int, num_tokens: int, error: Optional[BaseException]):
