@@ -85,6 +85,16 @@ def test_bad_dispatch_input_raises_typed_error_on_every_rank(backend):
     assert "meta" in r0["x on meta device"][1]
 
 
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_one_rank_communicator_checks_input_and_matches_the_oracle(backend):
+    """One rank skips the host exchange: bad input still raises, and the next call is still right."""
+    (res,) = raise_on_failure(spawn_local(bad_dispatch_worker, 1, (backend,), timeout_s=120,
+                                          extra_env=lambda r: CPU_ONLY))
+    assert res.pop("recovered") == []
+    for name, (etype, msg, _) in res.items():
+        assert etype == "EPInputError", f"{name}: got {etype}: {msg}"
+
+
 def bad_combine_worker():
     topo = ep_comm.init_distributed()
     world, rank = topo.world_size, topo.rank
