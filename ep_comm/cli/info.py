@@ -28,6 +28,7 @@ ENV_VARS = (
     BACKEND_ENV, "EP_COMM_HOST_ID", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_REMOTE_TRANSPORT", "NCCL_P2P_DISABLE", "NCCL_DEBUG",
     "EP_COMM_NVSHMEM_PUT", "NVSHMEM_DISABLE_P2P", "NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_IB_ENABLE_IBGDA",
+    "EP_COMM_SHM_AGREE",
 )
 
 
@@ -110,8 +111,9 @@ def _memory_report(env: RankEnv) -> str:
         return f"memory layer: report failed ({type(exc).__name__}: {exc})"
 
 
-def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, str]:
-    """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``; collective (control plane)."""
+def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> tuple[dict[str, str], str]:
+    """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``, and how eager calls of the
+    collective backends agree on the host (``ControlPlane.agreement``); collective (control plane)."""
     from ..backends import BackendContext, local_availability
     from ..backends.base import NUM_FLAGS
     from ..distributed.control import ControlPlane
@@ -125,7 +127,7 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, 
         topo = control.topology(env.device.index if env.device.type == "cuda" else None)
         ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
                              device=env.device, error_flags=torch.zeros(NUM_FLAGS, dtype=torch.int64, device=env.device))
-        return local_availability(ctx)
+        return local_availability(ctx), control.agreement
     finally:
         control.close()
 
@@ -134,13 +136,14 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> dict[str, 
 def _info(env: RankEnv, args: argparse.Namespace) -> int:
     facts = _rank_facts(env)
     host = _host_facts() if env.topology.local_rank == 0 else None
-    reasons = _backend_reasons(env, args.experts, args.op_timeout)
+    reasons, agreement = _backend_reasons(env, args.experts, args.op_timeout)
     memory = _memory_report(env)
     everyone = gather_objects(env, {"facts": facts, "host": host, "backends": reasons})
     if not env.is_root:
         return 0
     report = _build_report(env, everyone)
     report["memory_report"] = memory  # rank 0's copy already covers every rank
+    report["agreement"] = agreement  # the same on every rank (decided collectively)
     print(_render(report), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
@@ -249,6 +252,10 @@ def _render(rep: dict) -> str:
         lines.append(f"auto -> {auto['env_override']} (forced by ${BACKEND_ENV})")
     else:
         lines.append(f"auto -> {auto['would_pick'] or 'nothing usable'} (first usable of {', '.join(auto['order'])})")
+    how = {"shared memory": "through a shared-memory file (every rank on one host; EP_COMM_SHM_AGREE=0: gloo)",
+           "gloo": "over gloo (ranks on several hosts, /dev/shm unusable, or EP_COMM_SHM_AGREE=0)",
+           "none": "not needed (one rank)"}
+    lines.append(f"eager calls of naive/ag_rs agree on the host {how.get(rep.get('agreement'), '?')}")
     lines += ["", "== memory layer ==", rep.get("memory_report", "-")]
     lines += ["", "== environment =="]
     for var, val in rep["env"].items():

@@ -148,6 +148,11 @@ class ControlPlane:
             self.close("failed while being created")
             raise
 
+    @property
+    def agreement(self) -> str:
+        """How eager calls agree with the peers: ``"shared memory"``, ``"gloo"`` or ``"none"`` (one rank)."""
+        return "none" if self.size == 1 else "shared memory" if self._shm is not None else "gloo"
+
     def _allgather(self, tensor: torch.Tensor, op: int = OP_EXCHANGE, epoch: int = -1) -> list[torch.Tensor]:
         return self._allgather_start(tensor, op, epoch)()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -23,7 +24,10 @@ def test_info_report(cli, tmp_path):
     assert "auto -> " in out
     assert "== memory layer ==" in out and "memory" in out.split("== memory layer ==")[1]
     assert "IMEX" in out and "nvidia-smi" in out
+    assert "eager calls of naive/ag_rs agree on the host" in out
     doc = json.loads(path.read_text())
+    # two ranks of one host: the shared-memory agreement, unless this machine has no usable /dev/shm
+    assert doc["agreement"] == ("shared memory" if os.path.isdir("/dev/shm") else "gloo")
     assert doc["world_size"] == 2 and len(doc["ranks"]) == 2
     assert set(doc["backends"]) >= set(registered()) | set(NOT_BUILT)
     assert doc["backends"]["naive"]["usable"] and doc["backends"]["ag_rs"]["usable"]
