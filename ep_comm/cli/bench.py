@@ -236,6 +236,8 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                             if hooks:
                                 halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
+                    # how eager calls agreed with the peers (the kernel backends make no host round trip)
+                    agreement = None if sms is not None else getattr(getattr(comm, "control", None), "agreement", None)
                 finally:
                     with phases("close"):
                         comm.close()
@@ -265,6 +267,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     if host:  # eager: the host's own time per whole call, max over ranks of its p50
                         rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
                                                    if i < len(host) else None)
+                        rows[-1]["agreement"] = agreement
                 if args.peer:
                     _add_peer_columns(rows, peer_rows, args.quant == "fp8")
                 timed_rows += len(rows)

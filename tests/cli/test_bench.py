@@ -67,6 +67,7 @@ def test_bench_json_matches_design_schema(bench_run):
         assert r["baseline_backend"] == "gloo"
         assert r["phase_s"]["timing"] > 0  # wall time per phase since the previous row (slowest rank)
         assert 0 < r["host_p50_us"]  # eager: the host's own time per call (a table column on GPUs only)
+        assert r["agreement"] in ("shared memory", "gloo")  # two ranks of one host
     assert doc["complete"] is True and doc["eager_launch"] is None  # CPU ranks: no GPU to queue behind
     for phase in ("spawn", "init", "inputs", "baseline", "create", "check", "warmup", "timing"):
         assert doc["phase_times_s"][phase] >= 0, phase
