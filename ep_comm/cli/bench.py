@@ -236,8 +236,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                             if hooks:
                                 halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
-                    # how eager calls agreed with the peers (the kernel backends make no host round trip)
-                    agreement = None if sms is not None else getattr(getattr(comm, "control", None), "agreement", None)
+                    agreement = _agreement(comm)
                 finally:
                     with phases("close"):
                         comm.close()
@@ -313,6 +312,14 @@ def _recv_hooks(comm: Communicator) -> bool:
     """Whether the communicator's backend object splits calls at a receive hook (attribute ``recv_hooks``,
     kernel backends); asking first avoids the EPConfigError a collective backend raises."""
     return bool(getattr(getattr(comm, "_impl", None), "recv_hooks", False))
+
+
+def _agreement(comm: Communicator) -> Optional[str]:
+    """How a collective backend's eager calls agreed on the host (``ControlPlane.agreement``); None for the
+    kernel backends, whose calls make no host round trip."""
+    if getattr(getattr(comm, "_impl", None), "kernel", False):
+        return None
+    return getattr(getattr(comm, "control", None), "agreement", None)
 
 
 def _sms_used(comm: Communicator) -> Optional[int]:

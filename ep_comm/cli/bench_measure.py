@@ -358,6 +358,34 @@ def _replay_problems(env: RankEnv, cfg: EPConfig, comm: Communicator, y_s: torch
     return [f"rank {r}: {p}" for r, ps in enumerate(gather_objects(env, problems)) for p in ps]
 
 
+def _time_replays(env: RankEnv, comm: Communicator, graphs: list, sets: list[RunSet], args: argparse.Namespace,
+                  phases: Phases, static: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[list[float]]:
+    """µs of each graph's replays, the graphs replayed in call order every iteration.  Replays are timed
+    on the GPU: each is launched while the GPU is still busy, the ranks' GPUs lined up right before it
+    (``align_devices``), so every replay starts together everywhere and sits alone between its stamps.
+    ``static`` (x, ids, weights) take each run set's inputs."""
+    phases.started("timing")
+    t_start, barrier = time.perf_counter(), LinedUp(env)
+    timer = Timer(env.device)
+    for rs, n in zip(sets, split_iters(args)):
+        for dst, src in zip(static, (rs.inp.x, rs.inp.topk_ids, rs.inp.topk_weights)):
+            dst.copy_(src)  # new routing and data into the graphs' static inputs
+        for _ in range(n):
+            barrier(hide_launch=True)
+            stamps = []
+            for i, graph in enumerate(graphs):
+                if i:
+                    align_devices(env, hide_launch=True)
+                stamps.append(timer.stamp())
+                graph.replay()
+                stamps.append(timer.stamp())
+            timer.add(stamps)
+    times = timer.sections_us()[::2]  # the odd sections are the line-ups between replays
+    comm.check_errors()
+    barrier.book(phases, "timing", t_start)
+    return times
+
+
 def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSet], args: argparse.Namespace,
                phases: Phases) -> tuple[Optional[tuple[list[float], list[float]]], list[str]]:
     """Capture dispatch and combine as two CUDA graphs, check a replay, then time replays."""
@@ -388,27 +416,7 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         problems = _replay_problems(env, cfg, comm, y_s, y_ref, "graph replay")
     if problems:
         return None, problems
-    phases.started("timing")
-    t_start, barrier = time.perf_counter(), LinedUp(env)
-    timer = Timer(env.device)
-    for rs, n in zip(sets, split_iters(args)):
-        x_s.copy_(rs.inp.x)  # new routing and data into the graphs' static inputs
-        ids_s.copy_(rs.inp.topk_ids)
-        w_s.copy_(rs.inp.topk_weights)
-        for _ in range(n):
-            # graph replays are timed on the GPU: launched while the GPU is still busy (align_devices)
-            barrier(hide_launch=True)
-            t0 = timer.stamp()
-            g_dispatch.replay()
-            t1 = timer.stamp()
-            align_devices(env, hide_launch=True)
-            t2 = timer.stamp()
-            g_combine.replay()
-            t3 = timer.stamp()
-            timer.add([t0, t1, t2, t3])
-    disp, _gap, comb = timer.sections_us()
-    comm.check_errors()
-    barrier.book(phases, "timing", t_start)
+    disp, comb = _time_replays(env, comm, [g_dispatch, g_combine], sets, args, phases, (x_s, ids_s, w_s))
     return (disp, comb), []
 
 
@@ -523,27 +531,7 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
         problems = _replay_problems(env, cfg, comm, y_s, y_ref, "graph replay (recv hooks)")
     if problems:
         return None, problems
-    phases.started("timing")
-    t_start, barrier = time.perf_counter(), LinedUp(env)
-    timer = Timer(env.device)
-    for rs, n in zip(sets, split_iters(args)):
-        x_s.copy_(rs.inp.x)  # new routing and data into the graphs' static inputs
-        ids_s.copy_(rs.inp.topk_ids)
-        w_s.copy_(rs.inp.topk_weights)
-        for _ in range(n):
-            barrier(hide_launch=True)
-            stamps = []
-            for i, graph in enumerate(graphs):
-                if i:  # as between time_graph's two replays: the next half starts together on every GPU
-                    align_devices(env, hide_launch=True)
-                stamps.append(timer.stamp())
-                graph.replay()
-                stamps.append(timer.stamp())
-            timer.add(stamps)
-    sections = timer.sections_us()[::2]  # the odd sections are the line-ups between halves
-    comm.check_errors()
-    barrier.book(phases, "timing", t_start)
-    d_send, d_recv, c_send, c_recv = sections
+    d_send, d_recv, c_send, c_recv = _time_replays(env, comm, graphs, sets, args, phases, (x_s, ids_s, w_s))
     return (d_send, d_recv, c_send, c_recv), []
 
 

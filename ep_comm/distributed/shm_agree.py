@@ -150,18 +150,13 @@ class SharedAgreement:
             pending = read_pending()
             if not pending:
                 return records, [], ""
-            why = ""
-            if any(self.closed(r) for r in pending):
-                why = "closed"
-            spins += 1
             now = time.monotonic()
-            if not why and spins > 200:  # give the peers the cores on busy hosts; a slow peer: nap longer
-                time.sleep(0 if spins < 5000 else 0.0002 if now < long_wait else 0.001)
-            if not why and now >= next_poll:
+            poll = now >= next_poll
+            if poll:
                 next_poll = now + _POLL_LIVENESS_S
-                why = "gone" if gone(pending) else ""
-            if not why and now >= deadline:
-                why = "timeout"
+            why = ("closed" if any(self.closed(r) for r in pending) else
+                   "gone" if poll and gone(pending) else
+                   "timeout" if now >= deadline else "")
             if why:
                 # A peer writes its record before it closes or exits, and may have done both since the
                 # read above (it saw our record and moved on): only a record still absent now is missing.
@@ -172,6 +167,9 @@ class SharedAgreement:
                     time.sleep(0)
                     pending = read_pending()
                 return records, pending, why if pending else ""
+            spins += 1
+            if spins > 200:  # give the peers the cores on busy hosts; a long wait (a slow peer) naps longer
+                time.sleep(0 if spins < 5000 else 0.0002 if now < long_wait else 0.001)
 
     def close(self) -> None:
         self.mark_closed()
