@@ -4,7 +4,8 @@
 # Usage (device machine, repo root): bash bench/gpu_run.sh [quick]
 #   NPROC=4           ranks (default: every GPU)
 #   TEST_PATHS=...    pytest paths (default tests/); SKIP_TESTS=1 skips them
-#   BENCH_RUNS="graph:128 eager:128,4096 eager-idle:128"  mode:tokens list (eager-idle: --eager-launch idle);
+#   BENCH_RUNS="graph:128 eager:128,4096 eager-idle:128"  mode:tokens list (eager-idle: --eager-launch idle;
+#                     eager-off: --validate-ids off);
 #                     BENCH_ARGS extra bench flags
 #   STRESS_ITERS=1000 STRESS_BACKEND=mnnvl; SKIP_STRESS=1 / SKIP_INFO=1
 #   TRACE_ARGS="--tokens 128 4096"  run bench/kernel_trace.py (mnnvl phase stamps) with these flags
@@ -56,7 +57,11 @@ fi
 if [ "${1:-}" != "quick" ]; then
   for run in ${BENCH_RUNS:-graph:128 graph:4096 eager:128,4096}; do
     mode=${run%%:*}; toks=${run#*:}; tag="$mode-${toks//,/-}"
-    flags="--mode $mode"; [ "$mode" = "eager-idle" ] && flags="--mode eager --eager-launch idle"
+    case $mode in
+      eager-idle) flags="--mode eager --eager-launch idle" ;;
+      eager-off) flags="--mode eager --validate-ids off" ;;
+      *) flags="--mode $mode" ;;
+    esac
     timeout ${BENCH_TIMEOUT:-200} python3 -m ep_comm bench --nproc $NPROC $flags --tokens ${toks//,/ } \
       --phase-times ${BENCH_ARGS:-} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.log" 2>&1
     summary "bench $mode tokens $toks rc=$?"

@@ -206,8 +206,9 @@ def host_barrier(env: RankEnv, hide_launch: bool = False) -> None:
     align_devices(env, hide_launch)
 
 
-#: ``torch.cuda._sleep`` cycles (~100 µs) the GPU busy-waits in front of a timed launch
-LAUNCH_GAP_CYCLES = 200_000
+#: ``torch.cuda._sleep`` cycles (~100 µs) the GPU busy-waits in front of a timed launch;
+#: EP_COMM_BENCH_GAP_CYCLES overrides it (to test whether a longer busy GPU changes a timing)
+LAUNCH_GAP_CYCLES = int(os.environ.get("EP_COMM_BENCH_GAP_CYCLES", "200000"))
 
 
 def align_devices(env: RankEnv, hide_launch: bool = False) -> None:
