@@ -184,7 +184,7 @@ def main() -> None:
     p.add_argument("--backend", default="ag_rs")
     p.add_argument("--layout", default="standard")
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
-                   help="EPConfig.validate_ids (kernel backends: off removes the id check's sync)")
+                   help="EPConfig.validate_ids (off removes the id check's sync)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-overlap", action="store_true",

@@ -15,7 +15,7 @@ from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
 from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError, EPTopologyError
 from .layouts import Dispatched
 from .quant import quantize_fp8
-from .routing import check_ids, sanitize_routing
+from .routing import check_ids, drop_invalid_ids, sanitize_routing
 from .backends.base import FLAG_EPOCH_MISMATCH, FLAG_INVALID_IDS, FLAG_TOKEN_OVERFLOW, NUM_FLAGS
 from .validation import InputChecks
 
@@ -77,6 +77,7 @@ class Communicator:
             self.control.close(f"creation failed: {type(exc).__name__}")
             raise
         self._kernel = bool(getattr(self._impl, "kernel", False))
+        self._dropped_ids = None if self._kernel else DroppedIds(self._error_flags, cfg.num_experts)
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._pending_hook: Optional[RecvHook] = None
@@ -155,8 +156,11 @@ class Communicator:
         error: Optional[BaseException] = None
         try:
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
-            if not capturing and not _gathered.ids_in_range(topk_ids, self.cfg.num_experts):
-                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+            if not capturing and self.cfg.validate_ids:
+                if not _gathered.ids_in_range(topk_ids, self.cfg.num_experts):
+                    check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+            elif not capturing:
+                self._dropped_ids.raise_earlier()
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
             error = exc if isinstance(exc, EPError) else EPInputError(f"invalid dispatch input: {exc!r}")
         wait = None
@@ -173,8 +177,10 @@ class Communicator:
             if capturing:
                 ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
                 self._error_flags[FLAG_INVALID_IDS] += num_invalid
-            else:  # ids were checked in range above: the receivers merge duplicates as they select
+            elif self.cfg.validate_ids:  # ids were checked in range above: receivers merge duplicates
                 ids, weights = topk_ids, topk_weights
+            else:  # no sync: out-of-range ids go as -1, counted for a later call to raise
+                ids, weights = self._dropped_ids.drop(topk_ids), topk_weights
             if self.cfg.quant == "fp8":
                 payload, scales = quantize_fp8(x)
             else:
@@ -261,6 +267,8 @@ class Communicator:
             self._impl.check_errors()
         flags = self._error_flags.tolist()
         self._error_flags.zero_()
+        if self._dropped_ids is not None:
+            self._dropped_ids.reset()
         if flags[FLAG_EPOCH_MISMATCH]:
             raise EPError(f"{flags[FLAG_EPOCH_MISMATCH]} peer message(s) carried another call's epoch: "
                           "ranks replayed different dispatch/combine calls")
@@ -269,7 +277,7 @@ class Communicator:
                           f"{self.cfg.max_tokens_per_rank} tokens")
         if flags[FLAG_INVALID_IDS]:
             raise EPInputError(f"{flags[FLAG_INVALID_IDS]} topk_ids outside [-1, num_experts="
-                               f"{self.cfg.num_experts}) were treated as -1 during graph replays")
+                               f"{self.cfg.num_experts}) were treated as -1 (graph replays, or validate_ids=False)")
 
     def close(self, reason: str = "closed") -> None:
         """Release backend resources and the control plane's gloo group.  Idempotent; not collective.
@@ -392,6 +400,48 @@ class Communicator:
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class DroppedIds:
+    """``validate_ids=False`` on the collective backends: eager dispatch sends out-of-range ids as -1 and
+    counts them on the device (``FLAG_INVALID_IDS``, as graph replays do) instead of synchronising to
+    check them.  The count reaches the host by an asynchronous copy; a later call raises it once the
+    device has got that far (``check_errors()`` raises it in any case)."""
+
+    def __init__(self, flags: torch.Tensor, num_experts: int):
+        self.flags, self.num_experts = flags, num_experts
+        cuda = flags.device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
+        self.copied = torch.cuda.Event() if cuda else None
+        self.in_flight = False
+
+    def drop(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        ids, num_invalid = drop_invalid_ids(topk_ids, self.num_experts)
+        self.flags[FLAG_INVALID_IDS] += num_invalid
+        if self.host is not None:
+            self.host.copy_(self.flags[FLAG_INVALID_IDS:FLAG_INVALID_IDS + 1], non_blocking=True)
+            self.copied.record()
+            self.in_flight = True
+        return ids
+
+    def raise_earlier(self) -> None:
+        """Raise ``EPInputError`` for ids dropped by earlier calls, as far as the host can see without a sync."""
+        if self.host is None:
+            count = int(self.flags[FLAG_INVALID_IDS])
+        elif self.in_flight and self.copied.query():
+            self.in_flight, count = False, int(self.host[0])
+        else:
+            return
+        if count:
+            self.reset()
+            raise EPInputError(f"{count} topk_ids outside [-1, num_experts={self.num_experts}) were sent as -1 "
+                               "by earlier dispatch call(s) (validate_ids=False)")
+
+    def reset(self) -> None:
+        self.flags[FLAG_INVALID_IDS] = 0
+        if self.host is not None:
+            self.host.zero_()
+            self.in_flight = False
 
 
 def _rank_list(ranks: list[int]) -> str:

@@ -40,10 +40,10 @@ class EPConfig:
     ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
     ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS``, else 64
     when ``max_tokens_per_rank <= 256`` (decode) and 24 above (prefill).
-    ``validate_ids``: eager kernel-backend calls check expert ids on the host first (one device→host
-    sync per dispatch) and raise ``EPInputError`` before anything moves; False skips that sync, the
-    kernel then treats out-of-range ids as -1, counts them and the next call or ``check_errors()``
-    raises.  The collective backends always validate in eager mode.
+    ``validate_ids``: eager dispatch checks expert ids on the host first (one device→host sync per
+    dispatch) and raises ``EPInputError`` before anything moves; False skips that sync: out-of-range
+    ids are treated as -1 and counted on the device, and a later call (kernel backends: the next one;
+    collective backends: the first dispatch after the device has counted them) or ``check_errors()`` raises.
     """
 
     num_experts: int

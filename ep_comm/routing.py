@@ -55,6 +55,13 @@ def check_ids(topk_ids: torch.Tensor, num_experts: int, rank: Optional[int] = No
         )
 
 
+def drop_invalid_ids(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, num_invalid)``: out-of-range ids replaced by -1 (same dtype), and a 0-d int64 device
+    tensor counting them.  No host synchronisation."""
+    invalid = invalid_id_mask(topk_ids, num_experts)
+    return torch.where(invalid, torch.full_like(topk_ids, -1), topk_ids), invalid.sum()
+
+
 def sanitize_routing(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,11 +72,8 @@ def sanitize_routing(
     with the duplicates' weights summed into the first slot and 0 on -1 slots; ``num_invalid`` a 0-d
     int64 device tensor counting out-of-range ids (treated as -1).
     """
-    ids = topk_ids.to(torch.int64)
+    ids, num_invalid = drop_invalid_ids(topk_ids.to(torch.int64), num_experts)
     weights = topk_weights.to(torch.float32)
-    invalid = invalid_id_mask(ids, num_experts)
-    num_invalid = invalid.sum()
-    ids = torch.where(invalid, torch.full_like(ids, -1), ids)
     valid = ids >= 0
     k = ids.shape[1]
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & valid.unsqueeze(2)  # [T, k, k]
@@ -82,4 +86,4 @@ def sanitize_routing(
     return out_ids, out_w, num_invalid
 
 
-__all__ = ["topk", "sanitize_routing", "check_ids", "find_invalid_ids", "invalid_id_mask"]
+__all__ = ["topk", "sanitize_routing", "drop_invalid_ids", "check_ids", "find_invalid_ids", "invalid_id_mask"]

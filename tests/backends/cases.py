@@ -238,3 +238,78 @@ def device_headers(backend: str) -> dict:
                     problems.append(f"unexpected: {exc}")
             out[f"{layout}/mismatch"] = problems
     return out
+
+
+# -- validate_ids=False on the collective backends: no host sync, dropped ids raised later -------------
+def unchecked_ids(backend: str) -> dict:
+    """Eager dispatch with ``validate_ids=False``: out-of-range ids on rank 0 go as -1 (results match
+    the oracle on the cleaned ids), no host synchronisation on a GPU, and a later dispatch (or
+    ``check_errors()``) raises on every rank; the communicator stays usable."""
+    topo, device = init_rank()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    for layout in ("standard", "batched"):
+        problems: list[str] = []
+        cfg = make_cfg(world, backend, layout, None, validate_ids=False)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            cuda = comm.device.type == "cuda"
+
+            def no_sync(call, *args):
+                """``call(*args)``; on a GPU any host synchronisation inside it raises."""
+                if not cuda:
+                    return call(*args)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return call(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            def run(inputs, expected, label: str) -> None:
+                mine = inputs[rank].to(comm.device)
+                d = no_sync(comm.dispatch, mine.x, mine.topk_ids, mine.topk_weights)
+                y = no_sync(comm.combine, oracle.run_experts(cfg, rank, world, d), d)
+                problems.extend(f"{label} dispatch: {p}" for p in
+                                oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, expected)[rank]))
+                problems.extend(f"{label} combine: {p}" for p in
+                                oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, expected)[rank]))
+
+            def bad_inputs(seed: int):
+                inputs = oracle.random_inputs(cfg, world, seed, tokens=[6] * world, p_duplicate=0.2)
+                bad = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in inputs]
+                bad[0].topk_ids[0, 1] = cfg.num_experts + 3
+                bad[0].topk_ids[1, 0] = -7
+                cleaned = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in bad]
+                cleaned[0].topk_ids[0, 1] = -1
+                cleaned[0].topk_ids[1, 0] = -1
+                return bad, cleaned
+
+            clean = oracle.random_inputs(cfg, world, 501, p_minus_one=0.1, p_duplicate=0.2)
+            run(clean, clean, "clean")
+            bad, cleaned = bad_inputs(502)
+            run(bad, cleaned, "dropped ids")  # sent as -1, no error yet
+            if cuda:
+                torch.cuda.synchronize()  # the count has reached the host: the next dispatch sees it
+            mine = clean[rank].to(comm.device)
+            try:
+                comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+                problems.append("the dispatch after dropped ids did not raise")
+            except ep_comm.EPError as exc:
+                text = str(exc)
+                if rank == 0 and ("2 topk_ids" not in text or "validate_ids=False" not in text):
+                    problems.append(f"rank 0's message: {text}")
+                if rank != 0 and "rank 0" not in text:
+                    problems.append(f"a peer's message does not name rank 0: {text}")
+            run(clean, clean, "after the error")  # reported once, and still usable
+            bad, cleaned = bad_inputs(503)
+            run(bad, cleaned, "dropped again")
+            try:  # check_errors reports them too (here rank 0's), and only once
+                comm.check_errors()
+                if rank == 0:
+                    problems.append("check_errors did not report the dropped ids")
+            except ep_comm.EPInputError as exc:
+                if rank != 0 or "2 topk_ids" not in str(exc):
+                    problems.append(f"check_errors on rank {rank}: {exc}")
+            run(clean, clean, "after check_errors")
+        results[f"{backend}/{layout}"] = problems
+    return results

@@ -42,3 +42,14 @@ def test_device_epoch_headers_on_cpu(backend):
         assert set(res) == {"standard/clean", "standard/mismatch", "batched/clean", "batched/mismatch"}
         for key, problems in res.items():
             assert problems == [], f"rank {rank} {key}: {problems}"
+
+
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_unchecked_ids_are_dropped_and_raised_by_a_later_call(backend):
+    """validate_ids=False: no host check of the ids; out-of-range ids travel as -1 and are reported later."""
+    per_rank = raise_on_failure(spawn_local(cases.unchecked_ids, 3, (backend,), timeout_s=180,
+                                            extra_env=lambda r: {"CUDA_VISIBLE_DEVICES": ""}))
+    for rank, res in enumerate(per_rank):
+        assert set(res) == {f"{backend}/standard", f"{backend}/batched"}
+        for key, problems in res.items():
+            assert problems == [], f"rank {rank} {key}: " + "\n".join(problems)

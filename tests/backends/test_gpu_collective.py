@@ -63,3 +63,14 @@ def test_host_tensor_is_rejected_on_every_rank():
     assert "x is on cpu" in msgs[0]
     for m in msgs[1:]:
         assert "rank(s) [0]" in m
+
+
+@pytest.mark.parametrize("backend", ["naive", "ag_rs"])
+def test_unchecked_ids_need_no_host_sync(backend):
+    """validate_ids=False on NCCL: eager dispatch and combine never synchronise the host; out-of-range ids
+    travel as -1 and a later dispatch raises on every rank."""
+    results = cases.merge_ranks(raise_on_failure(spawn_local(cases.unchecked_ids, _world(), (backend,),
+                                                             timeout_s=300)))
+    assert set(results) == {f"{backend}/standard", f"{backend}/batched"}
+    for key, problems in results.items():
+        assert problems == [], f"{key}: " + "\n".join(problems)
