@@ -337,7 +337,8 @@ def _as_words(rows: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, merge: bool = False) -> Dispatched:
+def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, merge: bool = False,
+                 kernel: Optional[bool] = None) -> Dispatched:
     """Turn all ranks' tokens into this rank's ``Dispatched`` in the configured layout (no host sync).
 
     The gathered ids are -1 or valid global ids.  ``merge``: they may still repeat an expert within a
@@ -345,8 +346,16 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, 
     on the local pairs, keeping each expert in its first slot with the row's weights for it summed.
     That is the same result as merging before sending, in fewer kernels (the guard and the selection
     share their work); CUDA-graph captures merge on the sender (``sanitize_routing``, which also counts
-    invalid ids) and pass ``merge=False``.
+    invalid ids) and pass ``merge=False``.  ``kernel``: on CUDA, whether to select with the extension's
+    kernels (``select_kernel``; they always merge); None uses them whenever they are built.
     """
+    if g.ids.device.type == "cuda" and kernel is not False:
+        from . import select_kernel
+
+        if not select_kernel.unavailable():
+            return select_kernel.select(ctx, g, num_tokens, epoch)
+        if kernel:
+            raise EPError(f"the collective selection kernels cannot run: {select_kernel.unavailable()}")
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
     first = ctx.rank * L
     # the owner of id i is i // L (contiguous blocks); -1 // L = -1 is nobody's

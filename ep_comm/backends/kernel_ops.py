@@ -15,6 +15,9 @@ so a compiled function traces through them without a graph break.
         ep_comm._C_nvshmem (the kernels built with NVSHMEM; cfg[PUT_MODE] = 1 moves data with puts)
     check_ids(topk_ids, num_experts, flag_ptr) -> ()
     collective_combine_partial(expert_out, dest, weights, out!) -> ()   (naive/ag_rs batched combine)
+    collective_select_local(ids, weights, rank, num_local, capacity, local_ids!, local_w!, row_valid!, dest!,
+                            counts!) -> ()                                (naive/ag_rs layout selection)
+    collective_scatter_rows(src, dest, out!) -> ()                         (batched rows into their slots)
 
 ``cfg`` is the int vector described in ``ep_comm.backends.kernel_protocol``.  Without a CUDA build
 of torch or nvcc at install time the extension is absent; ``unavailable_reason()`` says so.
@@ -140,6 +143,15 @@ def _register_fakes() -> None:
     if hasattr(torch.ops.ep_comm, "collective_combine_partial"):
         @torch.library.register_fake(lib + "collective_combine_partial")
         def _collective_combine_partial_fake(expert_out, dest, weights, out):
+            return None
+    if hasattr(torch.ops.ep_comm, "collective_select_local"):
+        @torch.library.register_fake(lib + "collective_select_local")
+        def _collective_select_local_fake(ids, weights, rank, num_local, capacity, local_ids, local_w, row_valid,
+                                          dest, counts):
+            return None
+
+        @torch.library.register_fake(lib + "collective_scatter_rows")
+        def _collective_scatter_rows_fake(src, dest, out):
             return None
 
 
