@@ -106,7 +106,7 @@ std::tuple<int64_t, int64_t, int64_t> row_geometry(const at::Tensor& t, const ch
   return {std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
 }
 
-// ep_comm::collective_select_local (csrc/collective/select_local.h).  dest and counts empty: standard layout.
+// ep_comm::collective_select_local (csrc/collective/select_local.h).  counts (and dest) empty: standard layout.
 void collective_select_local(const at::Tensor& ids, const at::Tensor& weights, int64_t rank, int64_t num_local,
                              int64_t capacity, at::Tensor& local_ids, at::Tensor& local_w, at::Tensor& row_valid,
                              at::Tensor& dest, at::Tensor& counts) {
@@ -121,7 +121,7 @@ void collective_select_local(const at::Tensor& ids, const at::Tensor& weights, i
               local_w.scalar_type() == at::kFloat && local_w.is_contiguous() && local_w.numel() == rows * k &&
               row_valid.scalar_type() == at::kBool && row_valid.is_contiguous() && row_valid.numel() == rows,
               "ep_comm: local_ids int32 / local_w float32 [rows, k] and row_valid bool [rows], contiguous");
-  const bool batched = dest.numel() > 0;
+  const bool batched = counts.numel() > 0;  // not dest: it is empty in a batched call without rows too
   TORCH_CHECK(!batched || (dest.scalar_type() == at::kLong && dest.is_contiguous() && dest.numel() == rows * k &&
                            counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.numel() == num_local),
               "ep_comm: dest int64 [rows, k] and counts int32 [num_local], contiguous (or both empty)");
