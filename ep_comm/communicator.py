@@ -432,13 +432,15 @@ class DroppedIds:
             self.in_flight, count = False, int(self.host[0])
         else:
             return
-        if count:
-            self.reset()
+        if count:  # take off what is reported here; counts made since (graph replays too) stay
+            self.flags[FLAG_INVALID_IDS] -= count
+            if self.host is not None:
+                self.host.zero_()
             raise EPInputError(f"{count} topk_ids outside [-1, num_experts={self.num_experts}) were sent as -1 "
                                "by earlier dispatch call(s) (validate_ids=False)")
 
     def reset(self) -> None:
-        self.flags[FLAG_INVALID_IDS] = 0
+        """After ``check_errors()`` has read and zeroed the counters (a sync: no copy is in flight)."""
         if self.host is not None:
             self.host.zero_()
             self.in_flight = False
