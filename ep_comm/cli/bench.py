@@ -39,10 +39,10 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPConfigError, EPTopologyError
 from . import DTYPES, default_backends, resolve_backend_request
-from .bench_measure import HALF_OPS, OracleGate, bench_config, make_sets, percentiles, remote_sends, time_baseline, \
-    time_eager, time_graph, time_hooks_eager, time_hooks_graph
+from .bench_measure import HALF_OPS, OracleGate, bench_config, eager_queued, make_sets, percentiles, remote_sends, \
+    time_baseline, time_eager, time_graph, time_hooks_eager, time_hooks_graph
 from .bench_report import Reporter, device_name
-from .launcher import RankEnv, agree_exit_code, gather_objects, say, setup_rank, teardown
+from .launcher import RankEnv, agree_exit_code, gather_objects, launch_gap_us, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
 
 FP8_SCALE_BLOCK = 128  # channels per fp8 scale (docs/design.md §5); a float32 scale rides with each block
@@ -267,6 +267,9 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                         rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
                                                    if i < len(host) else None)
                         rows[-1]["agreement"] = agreement
+                if host and eager_queued(env, args):
+                    for text in slow_host_notes(rows, launch_gap_us(env.device)):
+                        report.note(text)
                 if args.peer:
                     _add_peer_columns(rows, peer_rows, args.quant == "fp8")
                 timed_rows += len(rows)
@@ -312,6 +315,15 @@ def _recv_hooks(comm: Communicator) -> bool:
     """Whether the communicator's backend object splits calls at a receive hook (attribute ``recv_hooks``,
     kernel backends); asking first avoids the EPConfigError a collective backend raises."""
     return bool(getattr(getattr(comm, "_impl", None), "recv_hooks", False))
+
+
+def slow_host_notes(rows: list[dict], gap_us: float) -> list[str]:
+    """Queued eager rows whose host time per call outlasts the GPU's busy-wait: their p50 then holds part
+    of the host's time too (the GPU ran out of queued work), which the reader must know."""
+    return [f"{r['backend']}/{r['layout']} {r['op']} at {r['tokens']} tok: the host takes {r['host_p50_us']:.0f} µs "
+            f"per call, longer than the {gap_us:.0f} µs the GPU is kept busy before it, so its eager p50 includes "
+            "host time (EP_COMM_BENCH_GAP_CYCLES lengthens the busy-wait)"
+            for r in rows if r.get("host_p50_us") is not None and r["host_p50_us"] > gap_us]
 
 
 def _agreement(comm: Communicator) -> Optional[str]:

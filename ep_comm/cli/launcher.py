@@ -234,6 +234,20 @@ def align_devices(env: RankEnv, hide_launch: bool = False) -> None:
 
 
 _ALIGN: dict = {}
+_GAP_US: dict = {}
+
+
+def launch_gap_us(device: torch.device) -> float:
+    """How long the pre-launch busy-wait (``LAUNCH_GAP_CYCLES``) lasts on this GPU, in µs (timed once)."""
+    if device not in _GAP_US:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(LAUNCH_GAP_CYCLES)
+        end.record()
+        end.synchronize()
+        _GAP_US[device] = start.elapsed_time(end) * 1e3
+    return _GAP_US[device]
 
 
 def agree_exit_code(env: RankEnv, code: int) -> int:

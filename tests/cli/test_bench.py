@@ -255,3 +255,16 @@ def test_bench_peer_failures_are_notes_not_crashes(cli, mode, message):
     assert proc.returncode == 0, proc.stdout + proc.stderr  # a peer's failure is not ours
     assert message in proc.stdout
     assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("ag_rs ")]) == 4  # our rows all timed
+
+
+def test_slow_host_rows_are_named_in_a_note():
+    """Queued eager timing hides the host's issue time only while it is shorter than the GPU's busy-wait."""
+    from ep_comm.cli.bench import slow_host_notes
+
+    rows = [{"backend": "naive", "layout": "batched", "op": "dispatch", "tokens": 128, "host_p50_us": 1400.0},
+            {"backend": "naive", "layout": "batched", "op": "combine", "tokens": 128, "host_p50_us": 300.0},
+            {"backend": "mnnvl", "layout": "standard", "op": "dispatch_recv", "tokens": 128, "host_p50_us": None}]
+    notes = slow_host_notes(rows, 1010.0)
+    assert len(notes) == 1
+    assert "naive/batched dispatch at 128 tok" in notes[0] and "1400 µs" in notes[0] and "1010 µs" in notes[0]
+    assert slow_host_notes(rows, 2000.0) == []
