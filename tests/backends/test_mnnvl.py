@@ -345,13 +345,16 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
 
 
 # -- torch.compile ----------------------------------------------------------------------------------------
-def compile_worker() -> dict:
+def compile_worker(backend: str = "mnnvl") -> dict:
+    """torch.compile over a kernel backend's dispatch op (fullgraph) and over the public API
+    (``backend``: mnnvl, or nvshmem, whose ops share the schema)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1  # no compile worker pool left behind at exit
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, "mnnvl", "batched", None)
+    cfg = cases.make_cfg(world, backend, "batched", None)
+    dispatch_op = getattr(torch.ops.ep_comm, f"{backend}_dispatch")
     out: dict = {}
     with ep_comm.Communicator(cfg, device=device) as comm:
         impl = comm._impl
@@ -359,8 +362,7 @@ def compile_worker() -> dict:
         mine = inputs[rank].to(comm.device)
 
         def through_ops(x, ids, w):  # the ops themselves, compiled whole
-            o = torch.ops.ep_comm.mnnvl_dispatch(x, ids, w, None, impl.state, impl.work, impl.peer_base,
-                                                 impl.expert_owner, impl.cfg_vec)
+            o = dispatch_op(x, ids, w, None, impl.state, impl.work, impl.peer_base, impl.expert_owner, impl.cfg_vec)
             return o[5], o[0].float().sum()
 
         counts, _ = torch.compile(through_ops, fullgraph=True)(mine.x, mine.topk_ids, mine.topk_weights)

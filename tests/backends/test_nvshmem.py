@@ -17,7 +17,7 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from . import cases
-from .test_mnnvl import skip_worker
+from .test_mnnvl import compile_worker, skip_worker
 
 
 def _why_skip() -> str:
@@ -199,3 +199,10 @@ def test_backend_choice():
     # put mode (NVSHMEM_REMOTE_TRANSPORT=none here still lets NVSHMEM move the puts over NVLink)
     for r in _spawn(choice_worker, True, timeout_s=180):
         assert r == {"auto": "nvshmem", "auto_put": True, "nvshmem_put": True}, r
+
+
+@pytest.mark.parametrize("case", ["ops_fullgraph", "communicator"])
+def test_torch_compile(case):
+    """The nvshmem ops compile whole (fullgraph) through their fakes, and the public API inside a compiled
+    function matches the oracle."""
+    _assert_clean(case, "compile", compile_worker, "nvshmem")
