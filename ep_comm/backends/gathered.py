@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..errors import EPError
 from ..layouts import Dispatched
+from . import kernel_ops, select_kernel
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
 MAGIC = 0x45504331  # "EPC1"
@@ -350,8 +350,6 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, 
     kernels (``select_kernel``; they always merge); None uses them whenever they are built.
     """
     if g.ids.device.type == "cuda" and kernel is not False:
-        from . import select_kernel
-
         if not select_kernel.unavailable():
             return select_kernel.select(ctx, g, num_tokens, epoch)
         if kernel:
@@ -461,22 +459,10 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
     _combine_partial_torch(flat, handle, out)
 
 
-@functools.lru_cache(maxsize=None)
 def fused_combine_unavailable() -> str:
-    """'' when batched combine on CUDA runs the fused kernel, else why it runs torch ops instead.
-
-    ``EP_COMM_COLLECTIVE_COMBINE=torch`` keeps the torch ops (to compare the two on a GPU); read once.
-    """
-    if os.environ.get("EP_COMM_COLLECTIVE_COMBINE", "").lower() == "torch":
-        return "EP_COMM_COLLECTIVE_COMBINE=torch"
-    from . import kernel_ops  # imports nothing CUDA-specific until asked
-
-    why = kernel_ops.unavailable_reason()
-    if why:
-        return why
-    if not hasattr(torch.ops.ep_comm, "collective_combine_partial"):
-        return "the built ep_comm._C predates the collective combine kernel: reinstall the package"
-    return ""
+    """'' when batched combine on CUDA runs the fused kernel, else why it runs torch ops instead
+    (``EP_COMM_COLLECTIVE_COMBINE=torch`` keeps the torch ops)."""
+    return kernel_ops.collective_op_reason("collective_combine_partial", "EP_COMM_COLLECTIVE_COMBINE")
 
 
 def _combine_partial_fused(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:

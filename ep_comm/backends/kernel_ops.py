@@ -25,6 +25,7 @@ of torch or nvcc at install time the extension is absent; ``unavailable_reason()
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -33,7 +34,7 @@ import torch
 
 from . import kernel_protocol as kp
 
-__all__ = ["extension", "unavailable_reason", "nvshmem_ops_reason", "MappedWords"]
+__all__ = ["extension", "unavailable_reason", "nvshmem_ops_reason", "collective_op_reason", "MappedWords"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +49,20 @@ def _load() -> tuple[Optional[Any], str]:
                       f"expected {kp.CFG_LEN}): reinstall the package")
     _register_fakes()
     return _C, ""
+
+
+@functools.lru_cache(maxsize=None)
+def collective_op_reason(op: str, env: str) -> str:
+    """'' when the collective backends can run the extension's ``ep_comm::<op>`` on CUDA, else why they run
+    torch ops instead.  ``$<env>=torch`` keeps the torch ops (to compare the two on a GPU); read once."""
+    if os.environ.get(env, "").lower() == "torch":
+        return f"{env}=torch"
+    why = unavailable_reason()
+    if why:
+        return why
+    if not hasattr(torch.ops.ep_comm, op):
+        return f"the built ep_comm._C predates ep_comm::{op}: reinstall the package"
+    return ""
 
 
 def extension() -> Any:

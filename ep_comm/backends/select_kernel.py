@@ -9,30 +9,17 @@ ops (tests/backends/test_collective_select_kernel.py compares the two).
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
+from ..errors import EPError
 from ..layouts import Dispatched
+from . import kernel_ops
 
 
-@functools.lru_cache(maxsize=None)
 def unavailable() -> str:
-    """'' when selection on CUDA runs the kernels, else why it runs torch ops.
-
-    ``EP_COMM_COLLECTIVE_SELECT=torch`` keeps the torch ops (to compare the two on a GPU); read once.
-    """
-    if os.environ.get("EP_COMM_COLLECTIVE_SELECT", "").lower() == "torch":
-        return "EP_COMM_COLLECTIVE_SELECT=torch"
-    from . import kernel_ops  # imports nothing CUDA-specific until asked
-
-    why = kernel_ops.unavailable_reason()
-    if why:
-        return why
-    if not hasattr(torch.ops.ep_comm, "collective_select_local"):
-        return "the built ep_comm._C predates the selection kernels: reinstall the package"
-    return ""
+    """'' when selection on CUDA runs the kernels, else why it runs torch ops
+    (``EP_COMM_COLLECTIVE_SELECT=torch`` keeps the torch ops)."""
+    return kernel_ops.collective_op_reason("collective_select_local", "EP_COMM_COLLECTIVE_SELECT")
 
 
 def select(ctx, g, num_tokens: int, epoch: int) -> Dispatched:
@@ -50,8 +37,11 @@ def select(ctx, g, num_tokens: int, epoch: int) -> Dispatched:
     batched = cfg.layout == "batched"
     dest = torch.empty((rows, k) if batched else (0,), dtype=torch.int64, device=dev)
     counts = torch.empty(num_local if batched else 0, dtype=torch.int32, device=dev)
-    torch.ops.ep_comm.collective_select_local(g.ids, g.weights, ctx.rank, num_local, capacity, local_ids, local_w,
-                                              row_valid, dest, counts)
+    try:
+        torch.ops.ep_comm.collective_select_local(g.ids, g.weights, ctx.rank, num_local, capacity, local_ids,
+                                                  local_w, row_valid, dest, counts)
+    except RuntimeError as exc:  # a launch failure or arguments the op refuses: typed, with the cause
+        raise EPError(f"collective selection kernel failed: {exc}") from exc
     if not batched:
         return Dispatched(layout="standard", x=g.x, x_scales=g.x_scales, topk_ids=local_ids, topk_weights=local_w,
                           num_tokens=num_tokens, epoch=epoch, handle=GatherHandle(g.rows, row_valid, None, local_w))
@@ -72,5 +62,8 @@ def _scatter(rows: torch.Tensor, dest: torch.Tensor, slots: int) -> torch.Tensor
     if rows.shape[0] and slots and out.numel():
         width = out.numel() // slots * out.element_size()
         src = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
-        torch.ops.ep_comm.collective_scatter_rows(src, dest, out.view(torch.uint8).reshape(slots, width))
+        try:
+            torch.ops.ep_comm.collective_scatter_rows(src, dest, out.view(torch.uint8).reshape(slots, width))
+        except RuntimeError as exc:
+            raise EPError(f"collective row scatter kernel failed: {exc}") from exc
     return out
