@@ -44,7 +44,8 @@ PIECES_MODULE = {  # module attribute -> label
 
 # backend methods -> labels, for the collective backends and for the kernel backends (mnnvl)
 BACKEND_PIECES = {"gather": "dispatch collective", "reduce": "combine collective"}
-KERNEL_PIECES = {"poll_errors": "error poll", "check_ids": "id check (device sync)",
+KERNEL_PIECES = {"poll_errors": "error poll", "start_id_check": "id check (queued)",
+                 "id_check_passed": "id check (waits for the check kernel)",
                  "dispatch": "op call: dispatch (+ outputs)", "combine": "op call: combine"}
 
 

@@ -311,19 +311,30 @@ class Communicator:
         try:
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
             self._impl.check_inputs(x, x_scales)
-            if host_checks and self.cfg.validate_ids and not self._impl.check_ids(topk_ids):
-                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
         except Exception as exc:  # noqa: BLE001 - whatever it is, the peers must not wait for us
             self._abandon_call(exc)
             if isinstance(exc, EPError):
                 raise
             raise EPInputError(f"invalid dispatch input: {exc!r}") from exc
+        # ids are checked by a kernel queued in front of the dispatch and answered after its launch: a
+        # bad id makes the dispatch kernel abort the call for every rank, and this rank raises here
+        validate = host_checks and self.cfg.validate_ids
+        if validate:
+            self._impl.start_id_check(topk_ids)
         if hook:
-            out, receive = self._impl.dispatch_split(x, topk_ids, topk_weights, x_scales, self._epoch)
+            out, receive = self._impl.dispatch_split(x, topk_ids, topk_weights, x_scales, self._epoch,
+                                                     abandon_on_invalid=validate)
         else:
-            out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch)
-        out.owner = self
+            out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch, abandon_on_invalid=validate)
         self._epoch += 1
+        if validate and not self._impl.id_check_passed():
+            try:
+                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+                raise EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
+            except EPError as exc:
+                self._impl.abandoned_in_kernel(exc)
+                raise
+        out.owner = self
         if earlier_drops:
             self._impl.check_errors()
         return (out, self._new_hook(receive, "dispatch")) if hook else out

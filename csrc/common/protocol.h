@@ -30,7 +30,8 @@ EP_HD bool code_ahead(uint32_t code, uint32_t expected) {
 }
 
 // int64 counters at the head of the state tensor
-enum : int { kStateSeq = 0, kStateArrive = 1, kStateZeroed = 2, kStateCounters = 4 };
+// kStateCallInvalid: out-of-range ids seen by the current dispatch launch (kPhaseAbandonOnInvalid)
+enum : int { kStateSeq = 0, kStateArrive = 1, kStateZeroed = 2, kStateCallInvalid = 3, kStateCounters = 4 };
 
 // int32 error record after the counters (device memory), layout:
 enum : int {
@@ -92,6 +93,10 @@ enum : int {
 // Halves of a kernel-backend call (return_recv_hook): the send half issues the stores, signals and
 // advances the call number; the receive half, launched by the hook, waits and lays out / sums.
 enum : int { kPhaseSend = 1, kPhaseReceive = 2, kPhaseBoth = 3 };
+// Added to a dispatch's send or both phases when the host checks the ids *after* the launch (eager
+// calls with validate_ids): a launch that meets an out-of-range id signals every peer an abort instead
+// of its rows, so the peers raise as if this rank had abandoned the call before launching it.
+constexpr int kPhaseAbandonOnInvalid = 4;
 
 // Prefill-sized combines signal per group of kGroupTokens tokens, so the owner sums a group as soon
 // as every peer's partials of it have landed instead of after every peer's whole send.

@@ -92,7 +92,10 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
   }
   r.leaders = __ballot_sync(kFull, leader);
   r.num_dest = __popc(r.leaders);
-  if (invalid && count_invalid) err.count(kStatusInvalidIds, 1);
+  if (invalid && count_invalid) {
+    err.count(kStatusInvalidIds, 1);
+    if (p.abandon_on_invalid) atomicAdd(p.c.counters + kStateCallInvalid, 1ull);
+  }
   return r;
 }
 
@@ -319,7 +322,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       put_quiet();
       __syncthreads();
     }
-    signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+    // every block counted its invalid ids before arriving
+    __shared__ int s_abandon;
+    if (threadIdx.x == 0)
+      s_abandon = p.abandon_on_invalid && atomicExch(p.c.counters + kStateCallInvalid, 0ull) != 0ull;
+    __syncthreads();
+    if (s_abandon) signal_all(p.c, parity, make_code(seq, kOpAbort));
+    else signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
     stamp(L, kTraceDispatch, kTrSignalled);
   }
   if (!a.ok) return;

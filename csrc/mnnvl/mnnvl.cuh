@@ -88,6 +88,7 @@ struct DispatchParams {
   int32_t* counts;              // [L] batched expert_num_tokens, else null
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
+  bool abandon_on_invalid;      // kPhaseAbandonOnInvalid was set (protocol.h)
 };
 
 struct CombineParams {

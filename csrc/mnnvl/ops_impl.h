@@ -128,8 +128,10 @@ inline void set_dispatch_outputs(DispatchParams& p, at::Tensor& out_x, at::Tenso
 }
 
 inline int phases_arg(int64_t phases) {
-  TORCH_CHECK(phases == kPhaseSend || phases == kPhaseBoth, "ep_comm: phases must be send (1) or both (3)");
-  return static_cast<int>(phases);
+  const int64_t halves = phases & ~static_cast<int64_t>(kPhaseAbandonOnInvalid);
+  TORCH_CHECK(halves == kPhaseSend || halves == kPhaseBoth,
+              "ep_comm: phases must be send (1) or both (3), plus 4 to abandon the call on invalid ids");
+  return static_cast<int>(halves);
 }
 
 inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -140,6 +142,7 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   DispatchParams p{};
   p.c = common(state, peer_base, cfg);
   p.phases = phases_arg(phases);
+  p.abandon_on_invalid = (phases & kPhaseAbandonOnInvalid) != 0;
   const Layout& L = p.c.lay;
   const int64_t T = x.size(0);
   const int64_t k = L.top_k;

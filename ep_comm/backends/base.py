@@ -118,11 +118,20 @@ class KernelBackend(Protocol):
     def check_inputs(self, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> None:
         """Backend-specific limits beyond the generic validation (raise ``EPInputError``)."""
 
-    def check_ids(self, topk_ids: torch.Tensor) -> bool:
-        """True when every id is in [-1, num_experts); may synchronise once (eager validation)."""
+    def start_id_check(self, topk_ids: torch.Tensor) -> None:
+        """Queue a check that every id is in [-1, num_experts) (eager validation); no synchronisation."""
+
+    def id_check_passed(self) -> bool:
+        """The queued check's answer: waits for that check only, not for work queued after it."""
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched: ...
+                 x_scales: Optional[torch.Tensor], epoch: int, abandon_on_invalid: bool = False) -> Dispatched:
+        """With ``abandon_on_invalid`` an out-of-range id makes the launch signal the peers an abort
+        instead of its rows (the host checks the ids after launching and then raises)."""
+
+    def abandoned_in_kernel(self, reason: BaseException) -> None:
+        """A launch with ``abandon_on_invalid`` met invalid ids: it already told the peers; this rank's
+        communicator is unusable from now on, as after ``abort``."""
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor: ...
 

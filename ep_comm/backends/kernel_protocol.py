@@ -22,6 +22,9 @@ from ..config import EPConfig
 
 # halves of a call (protocol.h, kPhase*): return_recv_hook launches them separately
 PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
+# added to a dispatch's send/both phases: out-of-range ids make the launch signal an abort (the host
+# checks the ids after launching; protocol.h, kPhaseAbandonOnInvalid)
+PHASE_ABANDON_ON_INVALID = 4
 
 # prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
 # kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED=1/0 forces it

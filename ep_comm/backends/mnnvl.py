@@ -71,6 +71,8 @@ class MnnvlBackend:
         self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks,
                                         self._mapped.device_ptr)
         self._fatal: Optional[EPError] = None
+        self._ids_checked = torch.cuda.Event()  # recorded after the last queued id check
+        self._ids_check_queued = False
         # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][TRACE_SLOTS] globaltimer ns
         self.trace: Optional[torch.Tensor] = None
         if os.environ.get(TRACE_ENV) == "1":
@@ -129,24 +131,32 @@ class MnnvlBackend:
                 raise EPInputError(f"x_scales rows hold {nbytes} bytes; backend {self.name} carries at most "
                                    f"{self.layout.scale_max} bytes of scales per token (hidden={self.ctx.cfg.hidden})")
 
-    def check_ids(self, topk_ids: torch.Tensor) -> bool:
-        """True when every id is in [-1, num_experts).  One device→host synchronisation."""
-        if topk_ids.numel() == 0:
-            return True
+    def start_id_check(self, topk_ids: torch.Tensor) -> None:
+        """Queue the range check of every id (host-mapped answer) and an event after it.  The dispatch
+        is launched behind it and the host waits on the event afterwards, so the GPU never idles
+        while the host decides (the dispatch kernel abandons the call itself if an id is bad)."""
         self._flags[kp.PENDING_IDS_CHECK] = 0
-        torch.ops.ep_comm.check_ids(topk_ids, self.ctx.cfg.num_experts, self._ids_flag_ptr)
-        torch.cuda.current_stream(self.ctx.device).synchronize()
+        self._ids_check_queued = topk_ids.numel() > 0
+        if self._ids_check_queued:
+            torch.ops.ep_comm.check_ids(topk_ids, self.ctx.cfg.num_experts, self._ids_flag_ptr)
+            self._ids_checked.record(torch.cuda.current_stream(self.ctx.device))
+
+    def id_check_passed(self) -> bool:
+        """One device→host synchronisation: with the check kernel, not with the dispatch behind it."""
+        if self._ids_check_queued:
+            self._ids_checked.synchronize()
         return not bool(self._flags[kp.PENDING_IDS_CHECK])
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 x_scales: Optional[torch.Tensor], epoch: int) -> Dispatched:
-        return self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, kp.PHASE_BOTH)
+                 x_scales: Optional[torch.Tensor], epoch: int, abandon_on_invalid: bool = False) -> Dispatched:
+        return self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, _phases(kp.PHASE_BOTH, abandon_on_invalid))
 
     def dispatch_split(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       x_scales: Optional[torch.Tensor], epoch: int) -> tuple[Dispatched, Callable[[], None]]:
+                       x_scales: Optional[torch.Tensor], epoch: int,
+                       abandon_on_invalid: bool = False) -> tuple[Dispatched, Callable[[], None]]:
         """The send half now; the returned function launches the receive half, which fills the
         ``Dispatched`` tensors (on the stream current when it is called)."""
-        d = self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, kp.PHASE_SEND)
+        d = self._dispatch(x, topk_ids, topk_weights, x_scales, epoch, _phases(kp.PHASE_SEND, abandon_on_invalid))
         raw = d.handle.outputs
 
         def receive() -> None:
@@ -196,9 +206,15 @@ class MnnvlBackend:
         """This rank's input was invalid: end every peer's current call now, with an error naming this
         rank.  The ranks' call sequences cannot be trusted afterwards, so the communicator is unusable."""
         if self._fatal is None:
+            self.abandoned_in_kernel(reason)
+            self._abort_op(self.state, self.peer_base, self.cfg_vec)
+
+    def abandoned_in_kernel(self, reason: BaseException) -> None:
+        """The dispatch launched with ``abandon_on_invalid`` met this rank's invalid ids and signalled
+        the peers an abort itself: from now on every call raises, as after ``abort``."""
+        if self._fatal is None:
             self._fatal = EPError(f"communicator unusable: rank {self.ctx.rank} abandoned a call after invalid "
                                   f"input ({type(reason).__name__}: {reason}); create a new Communicator")
-            self._abort_op(self.state, self.peer_base, self.cfg_vec)
 
     # -- errors -------------------------------------------------------------------------------------------
     def poll_errors(self) -> None:
@@ -274,6 +290,10 @@ def kernels_unavailable(ctx: BackendContext) -> str:
     if ctx.num_local_experts > kp.MAX_LOCAL_EXPERTS:
         return f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of {kp.MAX_LOCAL_EXPERTS}"
     return ""
+
+
+def _phases(halves: int, abandon_on_invalid: bool) -> int:
+    return halves | (kp.PHASE_ABANDON_ON_INVALID if abandon_on_invalid else 0)
 
 
 def _contiguous_target(out: torch.Tensor) -> torch.Tensor:

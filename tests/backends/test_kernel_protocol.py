@@ -78,6 +78,10 @@ def test_status_and_state_layout_match_the_header():
                       "kStatusRowFormat": kp.ST_ROW_FORMAT, "kStatusExpectedCode": kp.ST_EXPECTED_CODE,
                       "kStatusRankReason": kp.ST_RANK_REASON}
     assert _enum_values(text, "kStateSeq")["kStateCounters"] == kp.STATE_COUNTERS
+    assert _enum_values(text, "kPhaseSend") == {"kPhaseSend": kp.PHASE_SEND, "kPhaseReceive": kp.PHASE_RECEIVE,
+                                                "kPhaseBoth": kp.PHASE_BOTH}
+    assert "kPhaseAbandonOnInvalid = %d;" % kp.PHASE_ABANDON_ON_INVALID in text
+    assert kp.PHASE_ABANDON_ON_INVALID & kp.PHASE_BOTH == 0
     reasons = dict(re.findall(r"(kReason\w+)\s*=\s*(\d+)", text))
     assert {k: int(v) for k, v in reasons.items()} == {
         "kReasonTimeout": kp.REASON_TIMEOUT, "kReasonMismatch": kp.REASON_MISMATCH,

@@ -344,6 +344,54 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
         assert float(m.split(" after ")[1].split("s:")[0]) < 30, m
 
 
+def late_id_check_worker(backend: str = "mnnvl") -> list[str]:
+    """Eager dispatch with ``validate_ids``: the ids are checked by a kernel queued in front of the
+    dispatch and answered after its launch.  Clean calls stay correct; an out-of-range id on rank 0
+    raises on rank 0 at once (naming the token), and the dispatch kernel tells the peers, whose next
+    call raises instead of timing out."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, backend, "batched", None, timeout_s=60.0)
+    problems: list[str] = []
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        for seed in (31, 32):  # clean calls, twice (both buffer parities)
+            inputs = oracle.random_inputs(cfg, world, seed)
+            mine = inputs[rank].to(comm.device)
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+            problems += [f"clean {seed}: {p}" for p in
+                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+        inputs = oracle.random_inputs(cfg, world, 33)
+        mine = inputs[rank].to(comm.device)
+        ids = mine.topk_ids.clone()
+        if rank == 0 and ids.shape[0] > 2:
+            ids[2, 1] = cfg.num_experts + 4
+        t0 = time.monotonic()
+        try:
+            comm.dispatch(mine.x, ids, mine.topk_weights)
+            comm.check_errors()
+            problems.append(f"rank {rank}: no error after rank 0's out-of-range id")
+        except ep_comm.EPInputError as exc:
+            text = str(exc)
+            if rank == 0 and f"topk_ids[2, 1] = {cfg.num_experts + 4}" not in text:
+                problems.append(f"rank 0: error does not name the token: {text}")
+            if rank != 0 and "peer rank(s) [0]" not in text:
+                problems.append(f"rank {rank}: error does not name rank 0: {text}")
+        if time.monotonic() - t0 > 30:
+            problems.append(f"rank {rank}: the error took {time.monotonic() - t0:.1f}s (timeout_s=60)")
+        try:  # the call sequence is broken: every later call refuses
+            comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            problems.append(f"rank {rank}: a call after the abandoned one was accepted")
+        except ep_comm.EPError:
+            pass
+    return problems
+
+
+def test_invalid_ids_checked_after_the_launch_raise_on_every_rank():
+    for rank, problems in enumerate(_spawn(late_id_check_worker, timeout_s=180)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
 # -- torch.compile ----------------------------------------------------------------------------------------
 def compile_worker(backend: str = "mnnvl") -> dict:
     """torch.compile over a kernel backend's dispatch op (fullgraph) and over the public API
@@ -354,10 +402,10 @@ def compile_worker(backend: str = "mnnvl") -> dict:
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     cfg = cases.make_cfg(world, backend, "batched", None)
-    dispatch_op = getattr(torch.ops.ep_comm, f"{backend}_dispatch")
     out: dict = {}
     with ep_comm.Communicator(cfg, device=device) as comm:
         impl = comm._impl
+        dispatch_op = getattr(torch.ops.ep_comm, f"{backend}_dispatch")  # registered once the backend loaded
         inputs = oracle.random_inputs(cfg, world, 21)
         mine = inputs[rank].to(comm.device)
 

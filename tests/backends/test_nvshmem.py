@@ -17,7 +17,7 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from . import cases
-from .test_mnnvl import compile_worker, skip_worker
+from .test_mnnvl import compile_worker, late_id_check_worker, skip_worker
 
 
 def _why_skip() -> str:
@@ -206,3 +206,8 @@ def test_torch_compile(case):
     """The nvshmem ops compile whole (fullgraph) through their fakes, and the public API inside a compiled
     function matches the oracle."""
     _assert_clean(case, "compile", compile_worker, "nvshmem")
+
+
+def test_invalid_ids_checked_after_the_launch_raise_on_every_rank():
+    for rank, problems in enumerate(_spawn(late_id_check_worker, "nvshmem", timeout_s=180)):
+        assert problems == [], f"rank {rank}: {problems}"
