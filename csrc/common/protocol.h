@@ -82,7 +82,8 @@ enum : int {
   kCfgCountsOffset1,
   kCfgTracePtr,      // device uint64 [2 ops][num_blocks][kTraceSlots] of globaltimer stamps, or 0 (off)
   kCfgGroupFlagsOffset,  // [2][world][max_groups] u64: per group of kGroupTokens tokens (combine, prefill)
-  kCfgCombineGrouped,    // 1: combine signals and sums per group (kernel_protocol.py decides when)
+  kCfgCombineGrouped,    // combine per group (kernel_protocol.py decides when): 0 off, 1 every block
+                         // sends and sums in turn, n >= 2 blocks [0, n - 1) only send and the rest only sum
   kCfgPutMode,           // 1: peers reached by NVSHMEM puts/signals from staging rows (nvshmem build only)
   kCfgStageOffset,       // put mode: [world][max_tokens] dispatch rows staged per destination
   kCfgStageCombineOffset,  // put mode: [world][max_tokens] combine partials staged per owner

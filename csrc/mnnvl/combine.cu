@@ -176,7 +176,8 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
 // of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
 // tokens whose partials have all been flagged, so the sums run while the link is still busy instead
 // of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
-// (world - 1) groups, the pace at which the peers' matching groups arrive.
+// (world - 1) groups, the pace at which the peers' matching groups arrive.  Split (p.grouped >= 2):
+// blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
                                                 uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
@@ -188,7 +189,13 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   const int own_groups = (p.num_tokens + kGroupTokens - 1) / kGroupTokens;
   const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
   __shared__ int s_ok;
-  int next_sum = blockIdx.x;  // own groups b, b + grid, ...
+  // split (p.grouped >= 2): the first blocks only send, the others only sum, so the system fence
+  // before each group's flag stalls senders only and the sums run at the pace the partials land
+  const int senders = p.grouped >= 2 ? min(static_cast<int>(gridDim.x) - 1, p.grouped - 1) : 0;
+  const bool split = senders > 0;
+  const bool summer = split && static_cast<int>(blockIdx.x) >= senders;
+  const int sum_stride = split ? static_cast<int>(gridDim.x) - senders : static_cast<int>(gridDim.x);
+  int next_sum = split ? static_cast<int>(blockIdx.x) - senders : static_cast<int>(blockIdx.x);
   int sent = 0;               // send units this block finished
   auto sum_group = [&](int g) {
     if (threadIdx.x == 0) {
@@ -204,7 +211,7 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
       sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
     __syncthreads();
   };
-  for (int u = blockIdx.x; u < send_units; u += gridDim.x) {
+  for (int u = blockIdx.x; !summer && u < send_units; u += split ? senders : gridDim.x) {
     const int src = (L.rank + 1 + u % peers) % L.world;
     const int t0 = (u / peers) * kGroupTokens;
     const int rows = min(kGroupTokens, L.max_tokens - t0);
@@ -217,12 +224,13 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
     }
     ++sent;
     // sum own groups whose partials should have arrived by now (peers send in the same order)
-    while (next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
+    while (!split && next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
       sum_group(next_sum);
       next_sum += gridDim.x;
     }
   }
-  for (; next_sum < own_groups; next_sum += gridDim.x) sum_group(next_sum);
+  if (split && !summer) return;
+  for (; next_sum < own_groups; next_sum += sum_stride) sum_group(next_sum);
 }
 
 template <typename Tin, typename Tout>

@@ -101,7 +101,8 @@ struct CombineParams {
   int num_tokens;
   int chunks;          // pieces each row is split into (latency of small batches)
   int chunk_elems;     // elements per piece (a multiple of 256 unless chunks == 1)
-  bool grouped;        // signal and sum per group of kGroupTokens tokens (prefill sizes, both phases)
+  int grouped;         // signal and sum per group of kGroupTokens tokens (prefill sizes, both phases):
+                       // 0 off, 1 interleaved in every block, n >= 2 split: n - 1 sending blocks
   int phases;          // kPhaseSend | kPhaseReceive (protocol.h)
   void* out;  // [T, hidden] of the transport dtype
 };

@@ -222,7 +222,7 @@ inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_i
   p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
   p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);
   p.out = out.data_ptr();
-  p.grouped = cfg[kCfgCombineGrouped] != 0;
+  p.grouped = static_cast<int>(cfg[kCfgCombineGrouped]);
   TORCH_CHECK(phases >= kPhaseSend && phases <= kPhaseBoth, "ep_comm: bad combine phases ", phases);
   p.phases = static_cast<int>(phases);
   EP_CUDA_CHECK(launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),

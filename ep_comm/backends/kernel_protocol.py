@@ -27,8 +27,10 @@ PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
 PHASE_ABANDON_ON_INVALID = 4
 
 # prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
-# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED=1/0 forces it
-# on/off for either layout (tests).  Batched combines measured slower grouped (bench/NOTES.md).
+# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED forces a mode
+# for either layout: 0 off, 1 interleaved (every block sends and sums in turn), "split" (half the
+# blocks only send, the others only sum) or "split:N" (N sending blocks).  Batched combines measured
+# slower interleaved (bench/NOTES.md).
 GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 
@@ -141,6 +143,21 @@ class BufferLayout:
         return self.world * num_local + self.max_tokens * (self.top_k + 1)
 
 
+def combine_grouped_mode(forced: Optional[str], by_size: bool, num_blocks: int) -> int:
+    """The config's COMBINE_GROUPED value: 0 off, 1 interleaved, n >= 2 split with n - 1 sending
+    blocks (protocol.h, kCfgCombineGrouped); ``forced`` is $EP_COMM_COMBINE_GROUPED."""
+    if forced is None or forced == "":
+        return int(by_size)
+    if forced in ("0", "1"):
+        return int(forced)
+    if forced == "split" or forced.startswith("split:"):
+        senders = int(forced[6:]) if forced.startswith("split:") else num_blocks // 2
+        if num_blocks < 2 or not 1 <= senders < num_blocks:
+            return 1  # one block cannot be split; the interleaved mode does the same work
+        return 1 + senders
+    raise ValueError(f"${COMBINE_GROUPED_ENV}={forced!r}: expected 0, 1, split or split:N")
+
+
 def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, num_blocks: int,
                   pending_ptr: int) -> list[int]:
     """The static int64 vector every kernel-backend op receives."""
@@ -155,10 +172,10 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[COMBINE_STRIDE] = layout.combine_stride
     v[COUNTS_OFFSET0], v[COUNTS_OFFSET1] = layout.counts_offset
     v[GROUP_FLAGS_OFFSET] = layout.group_flags_offset
-    forced = os.environ.get(COMBINE_GROUPED_ENV)
     by_size = cfg.layout == "standard" and cfg.max_tokens_per_rank >= GROUPED_MIN_TOKENS
+    mode = combine_grouped_mode(os.environ.get(COMBINE_GROUPED_ENV), by_size, num_blocks)
     # put mode signals once per call (no per-group signals)
-    v[COMBINE_GROUPED] = int(world > 1 and not layout.put_mode and (forced == "1" or (forced != "0" and by_size)))
+    v[COMBINE_GROUPED] = mode if world > 1 and not layout.put_mode else 0
     v[PUT_MODE] = int(layout.put_mode)
     v[STAGE_OFFSET], v[STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[STAGE_COUNTS_OFFSET] = layout.stage_counts_offset

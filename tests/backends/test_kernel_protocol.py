@@ -59,6 +59,17 @@ def test_group_constants_match_the_header():
     assert kp.config_vector(batched, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 0
 
 
+def test_combine_grouped_mode_from_the_environment():
+    assert kp.combine_grouped_mode(None, True, 24) == 1 and kp.combine_grouped_mode("", False, 24) == 0
+    assert kp.combine_grouped_mode("0", True, 24) == 0 and kp.combine_grouped_mode("1", False, 24) == 1
+    assert kp.combine_grouped_mode("split", False, 24) == 13  # 12 sending blocks, 12 summing
+    assert kp.combine_grouped_mode("split:8", False, 24) == 9
+    assert kp.combine_grouped_mode("split", False, 1) == 1  # one block: interleaved
+    assert kp.combine_grouped_mode("split:24", False, 24) == 1  # no block left to sum
+    with pytest.raises(ValueError, match="EP_COMM_COMBINE_GROUPED"):
+        kp.combine_grouped_mode("yes", False, 24)
+
+
 def test_trace_layout_matches_the_header():
     text = HEADER.read_text()
     assert _enum_values(text, "kTraceDispatch") == {

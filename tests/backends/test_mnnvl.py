@@ -112,29 +112,36 @@ def test_recv_hook_misuse_is_refused_and_the_communicator_stays_in_step():
 
 
 # -- grouped combine (prefill sizes: per-group flags, sums while the link is busy) ---------------------------
+GROUPED_MODES = {"1": "interleaved", "split:3": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
+
+
 def grouped_worker() -> dict:
     """The grouped combine forced on at 96 tokens (3 groups, uneven T, zero T, -1/duplicates, skew, two
-    rounds per communicator), then as chosen by size at GROUPED_MIN_TOKENS tokens (standard layout only)."""
+    rounds per communicator), interleaved and split (3 sending blocks, so some senders have no group),
+    then as chosen by size at GROUPED_MIN_TOKENS tokens (standard layout only)."""
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     out: dict = {}
     seed = 900
-    os.environ[kp.COMBINE_GROUPED_ENV] = "1"
-    try:
-        for layout in ("standard", "batched"):
-            for payload in ("bf16+scales", "fp8"):
-                cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=96)
-                with ep_comm.Communicator(cfg, device=device) as comm:
-                    if comm._impl.cfg_vec[kp.COMBINE_GROUPED] != 1:
-                        out[f"forced/{layout}/{payload}"] = ["grouped combine not switched on"]
-                        continue
-                    for _ in range(2):
-                        for name, spec in cases.scenarios(world, cfg.max_tokens_per_rank).items():
-                            seed += 1
-                            key = f"forced/{layout}/{payload}/{name}"
-                            out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec)
-    finally:
-        del os.environ[kp.COMBINE_GROUPED_ENV]
+    for env, mode in GROUPED_MODES.items():
+        os.environ[kp.COMBINE_GROUPED_ENV] = env
+        try:
+            for layout in ("standard", "batched"):
+                for payload in ("bf16+scales", "fp8"):
+                    cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=96)
+                    with ep_comm.Communicator(cfg, device=device) as comm:
+                        want = kp.combine_grouped_mode(env, False, comm._impl.num_sms)
+                        if comm._impl.cfg_vec[kp.COMBINE_GROUPED] != want or want < 1:
+                            out[f"forced/{mode}/{layout}/{payload}"] = [f"grouped mode {want} not switched on"]
+                            continue
+                        for _ in range(2):
+                            for name, spec in cases.scenarios(world, cfg.max_tokens_per_rank).items():
+                                seed += 1
+                                key = f"forced/{mode}/{layout}/{payload}/{name}"
+                                out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload,
+                                                                             spec)
+        finally:
+            del os.environ[kp.COMBINE_GROUPED_ENV]
     for layout in ("standard", "batched"):
         cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=kp.GROUPED_MIN_TOKENS)
         with ep_comm.Communicator(cfg, device=device) as comm:
@@ -146,16 +153,16 @@ def grouped_worker() -> dict:
     return out
 
 
-def grouped_graph_worker() -> dict:
-    os.environ[kp.COMBINE_GROUPED_ENV] = "1"
+def grouped_graph_worker(env: str) -> dict:
+    os.environ[kp.COMBINE_GROUPED_ENV] = env
     try:
         return cases.graph_capture(("mnnvl",))
     finally:
         del os.environ[kp.COMBINE_GROUPED_ENV]
 
 
-GROUPED = [f"forced/{l}/{p}/{s}" for l in ("standard", "batched") for p in ("bf16+scales", "fp8")
-           for s in cases.scenarios(2, 96)] + ["by_size/standard", "by_size/batched"]
+GROUPED = [f"forced/{m}/{l}/{p}/{s}" for m in GROUPED_MODES.values() for l in ("standard", "batched")
+           for p in ("bf16+scales", "fp8") for s in cases.scenarios(2, 96)] + ["by_size/standard", "by_size/batched"]
 
 
 @pytest.mark.parametrize("case", GROUPED)
@@ -163,9 +170,10 @@ def test_grouped_combine_matches_oracle(case):
     _assert_clean(case, "grouped", grouped_worker)
 
 
+@pytest.mark.parametrize("env", GROUPED_MODES)
 @pytest.mark.parametrize("case", GRAPH)
-def test_grouped_combine_under_cuda_graphs(case):
-    _assert_clean(case, "grouped_graph", grouped_graph_worker)
+def test_grouped_combine_under_cuda_graphs(case, env):
+    _assert_clean(case, f"grouped_graph_{env}", grouped_graph_worker, env)
 
 
 # -- other dtypes, int64 ids, validation switched off, no host synchronisation ------------------------------
