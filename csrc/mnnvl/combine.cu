@@ -68,69 +68,9 @@ __device__ __forceinline__ void accumulate_rows(const T* const* rows, const floa
   }
 }
 
-// 16-bit rows and partials: one round loads R sources (expert rows j < n, then partials) x C column
-// vectors before converting any, so a row of n + m sources costs one memory latency per R x C packs
-// instead of one per 2-row and per partial pass.  The sums are latency-bound per warp (rounds, not
-// bytes: bench/NOTES.md), so fewer, fuller rounds are what makes them faster.
-template <typename Tin, typename Tout, int R, int C>
-__device__ __forceinline__ void sum_round16(const Tin* const* src, const float* w, int n, const Tout* const* part,
-                                            int total, int j0, int c0, int hi, float (&acc)[C][8]) {
-  constexpr int kStep = 8 * kWarpSize;
-  Pack8<Tin> v[R][C];  // 16 bytes each; partials are reinterpreted (same width)
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int j = j0 + r;
-      if (j < total && c0 + c * kStep < hi) {
-        if (j < n) v[r][c].load(src[j] + c0 + c * kStep);
-        else v[r][c].w[0] = ld_cg(reinterpret_cast<const int4*>(part[j - n] + c0 + c * kStep));
-      }
-    }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int j = j0 + r;
-    if (j >= total) break;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if (c0 + c * kStep >= hi) continue;
-      if (j < n) {
-        v[r][c].fma_into(w[j], acc[c]);
-      } else {
-        Pack8<Tout> q;
-        q.w[0] = v[r][c].w[0];
-        q.fma_into(1.f, acc[c]);
-      }
-    }
-  }
-}
-
-template <typename Tin, typename Tout, int R, int C>
-__device__ __forceinline__ void sum_rows16(const Tin* const* src, const float* w, int n, const Tout* const* part,
-                                           int m, Tout* dst, int lo, int hi, int lane) {
-  constexpr int kStep = 8 * kWarpSize;
-  for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * C) {
-    float acc[C][8];
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
-    for (int j0 = 0; j0 < n + m; j0 += R) sum_round16<Tin, Tout, R, C>(src, w, n, part, n + m, j0, c0, hi, acc);
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-      if (c0 + c * kStep < hi) Vec8<Tout>::store(dst + c0 + c * kStep, acc[c]);
-  }
-}
-
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
                                          Tout* dst, int lo, int hi, bool vec, int lane) {
-  if constexpr (sizeof(Tin) == 2 && sizeof(Tout) == 2) {
-    if (vec) {  // 16 packs in flight per lane: 4 sources x 4 column vectors per round (more spill)
-      sum_rows16<Tin, Tout, 4, 4>(src, w, n, part, m, dst, lo, hi, lane);
-      return;
-    }
-  }
   if (!vec) {
     for (int c = lo + lane; c < hi; c += kWarpSize) {
       float acc = 0.f;
