@@ -27,10 +27,12 @@ PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
 PHASE_ABANDON_ON_INVALID = 4
 
 # prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
-# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on; $EP_COMM_COMBINE_GROUPED forces a mode
-# for either layout: 0 off, 1 interleaved (every block sends and sums in turn), "split" (half the
-# blocks only send, the others only sum) or "split:N" (N sending blocks).  Batched combines measured
-# slower interleaved (bench/NOTES.md).
+# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on, split: a third of the blocks only send
+# partials, the others only sum.  $EP_COMM_COMBINE_GROUPED forces a mode for either layout: 0 off, 1
+# interleaved (every block sends and sums in turn), "split" (a third of the blocks send) or "split:N"
+# (N sending blocks).  Measured at EP2 x 4096 tokens, 24 SMs (bench/NOTES.md): standard combine 342 us
+# off, 332 interleaved, 320-326 split:8, 340 split:12; batched combines are slower in every grouped
+# mode, so they stay ungrouped.
 GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 
@@ -147,11 +149,11 @@ def combine_grouped_mode(forced: Optional[str], by_size: bool, num_blocks: int) 
     """The config's COMBINE_GROUPED value: 0 off, 1 interleaved, n >= 2 split with n - 1 sending
     blocks (protocol.h, kCfgCombineGrouped); ``forced`` is $EP_COMM_COMBINE_GROUPED."""
     if forced is None or forced == "":
-        return int(by_size)
+        forced = "split" if by_size else "0"
     if forced in ("0", "1"):
         return int(forced)
     if forced == "split" or forced.startswith("split:"):
-        senders = int(forced[6:]) if forced.startswith("split:") else num_blocks // 2
+        senders = int(forced[6:]) if forced.startswith("split:") else num_blocks // 3
         if num_blocks < 2 or not 1 <= senders < num_blocks:
             return 1  # one block cannot be split; the interleaved mode does the same work
         return 1 + senders

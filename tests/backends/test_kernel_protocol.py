@@ -51,7 +51,7 @@ def test_group_constants_match_the_header():
     assert int(re.search(r"kGroupTokens\s*=\s*(\d+)", text).group(1)) == kp.GROUP_TOKENS
     cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=kp.GROUPED_MIN_TOKENS)
     lay = kp.BufferLayout.for_config(cfg, 2)
-    assert kp.config_vector(cfg, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 1
+    assert kp.config_vector(cfg, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 9  # split: 8 of 24 blocks send
     assert kp.config_vector(cfg, 0, 1, lay, 24, 0)[kp.COMBINE_GROUPED] == 0  # no peers, nothing to group
     small = cfg.replace(max_tokens_per_rank=kp.GROUPED_MIN_TOKENS - 1)
     assert kp.config_vector(small, 0, 2, lay, 24, 0)[kp.COMBINE_GROUPED] == 0
@@ -60,9 +60,10 @@ def test_group_constants_match_the_header():
 
 
 def test_combine_grouped_mode_from_the_environment():
-    assert kp.combine_grouped_mode(None, True, 24) == 1 and kp.combine_grouped_mode("", False, 24) == 0
+    assert kp.combine_grouped_mode(None, True, 24) == 9 and kp.combine_grouped_mode("", False, 24) == 0
+    assert kp.combine_grouped_mode(None, True, 2) == 1  # too few blocks to split: interleaved
     assert kp.combine_grouped_mode("0", True, 24) == 0 and kp.combine_grouped_mode("1", False, 24) == 1
-    assert kp.combine_grouped_mode("split", False, 24) == 13  # 12 sending blocks, 12 summing
+    assert kp.combine_grouped_mode("split", False, 24) == 9  # 8 sending blocks, 16 summing
     assert kp.combine_grouped_mode("split:8", False, 24) == 9
     assert kp.combine_grouped_mode("split", False, 1) == 1  # one block: interleaved
     assert kp.combine_grouped_mode("split:24", False, 24) == 1  # no block left to sum

@@ -145,7 +145,7 @@ def grouped_worker() -> dict:
     for layout in ("standard", "batched"):
         cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=kp.GROUPED_MIN_TOKENS)
         with ep_comm.Communicator(cfg, device=device) as comm:
-            want = int(layout == "standard")
+            want = kp.combine_grouped_mode(None, layout == "standard", comm._impl.num_sms)
             problems = [] if comm._impl.cfg_vec[kp.COMBINE_GROUPED] == want else [f"grouped combine chosen: "
                                                                                    f"{comm._impl.cfg_vec[kp.COMBINE_GROUPED]}"]
             spec = dict(tokens=[kp.GROUPED_MIN_TOKENS - 7 * r for r in range(world)])
