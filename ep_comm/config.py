@@ -40,8 +40,10 @@ class EPConfig:
     ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
     ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS``, else 64
     when ``max_tokens_per_rank <= 256`` (decode) and 24 above (prefill).
-    ``validate_ids``: eager dispatch checks expert ids on the host first (one device→host sync per
-    dispatch) and raises ``EPInputError`` before anything moves; False skips that sync: out-of-range
+    ``validate_ids``: eager dispatch checks expert ids (one device→host sync per dispatch) and raises
+    ``EPInputError`` naming the token. The collective backends check before anything moves; the kernel
+    backends launch the dispatch behind the check kernel and wait for the check after, and a dispatch
+    that meets a bad id sends its peers an abort instead of rows. False skips that sync: out-of-range
     ids are treated as -1 and counted on the device, and a later call (kernel backends: the next one;
     collective backends: the first dispatch after the device has counted them) or ``check_errors()`` raises.
     """
