@@ -27,12 +27,13 @@ PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
 PHASE_ABANDON_ON_INVALID = 4
 
 # prefill-sized combines of the standard layout signal per group of GROUP_TOKENS tokens (protocol.h,
-# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on, split: a third of the blocks only send
-# partials, the others only sum.  $EP_COMM_COMBINE_GROUPED forces a mode for either layout: 0 off, 1
-# interleaved (every block sends and sums in turn), "split" (a third of the blocks send) or "split:N"
-# (N sending blocks).  Measured at EP2 x 4096 tokens, 24 SMs (bench/NOTES.md): standard combine 342 us
-# off, 332 interleaved, 320-326 split:8, 340 split:12; batched combines are slower in every grouped
-# mode, so they stay ungrouped.
+# kGroupTokens), from GROUPED_MIN_TOKENS tokens per rank on: split at world 2 (a third of the blocks
+# only send partials, the others only sum), interleaved at larger worlds, where split has not been
+# measured (more peers shift the work towards sending).  $EP_COMM_COMBINE_GROUPED forces a mode for
+# either layout: 0 off, 1 interleaved (every block sends and sums in turn), "split" (a third of the
+# blocks send) or "split:N" (N sending blocks).  Measured at EP2 x 4096 tokens, 24 SMs (bench/NOTES.md):
+# standard combine 342 us off, 332 interleaved, 320-326 split:8, 340 split:12; batched combines are
+# slower in every grouped mode, so they stay ungrouped.
 GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 
@@ -145,11 +146,18 @@ class BufferLayout:
         return self.world * num_local + self.max_tokens * (self.top_k + 1)
 
 
-def combine_grouped_mode(forced: Optional[str], by_size: bool, num_blocks: int) -> int:
+def default_combine_grouping(cfg: EPConfig, world: int) -> str:
+    """The grouped-combine mode a config gets without $EP_COMM_COMBINE_GROUPED: "0", "1" or "split"."""
+    if cfg.layout != "standard" or cfg.max_tokens_per_rank < GROUPED_MIN_TOKENS or world < 2:
+        return "0"
+    return "split" if world == 2 else "1"
+
+
+def combine_grouped_mode(forced: Optional[str], default: str, num_blocks: int) -> int:
     """The config's COMBINE_GROUPED value: 0 off, 1 interleaved, n >= 2 split with n - 1 sending
-    blocks (protocol.h, kCfgCombineGrouped); ``forced`` is $EP_COMM_COMBINE_GROUPED."""
+    blocks (protocol.h, kCfgCombineGrouped); ``forced`` is $EP_COMM_COMBINE_GROUPED, else ``default``."""
     if forced is None or forced == "":
-        forced = "split" if by_size else "0"
+        forced = default
     if forced in ("0", "1"):
         return int(forced)
     if forced == "split" or forced.startswith("split:"):
@@ -174,8 +182,8 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[COMBINE_STRIDE] = layout.combine_stride
     v[COUNTS_OFFSET0], v[COUNTS_OFFSET1] = layout.counts_offset
     v[GROUP_FLAGS_OFFSET] = layout.group_flags_offset
-    by_size = cfg.layout == "standard" and cfg.max_tokens_per_rank >= GROUPED_MIN_TOKENS
-    mode = combine_grouped_mode(os.environ.get(COMBINE_GROUPED_ENV), by_size, num_blocks)
+    mode = combine_grouped_mode(os.environ.get(COMBINE_GROUPED_ENV), default_combine_grouping(cfg, world),
+                                num_blocks)
     # put mode signals once per call (no per-group signals)
     v[COMBINE_GROUPED] = mode if world > 1 and not layout.put_mode else 0
     v[PUT_MODE] = int(layout.put_mode)

@@ -60,15 +60,21 @@ def test_group_constants_match_the_header():
 
 
 def test_combine_grouped_mode_from_the_environment():
-    assert kp.combine_grouped_mode(None, True, 24) == 9 and kp.combine_grouped_mode("", False, 24) == 0
-    assert kp.combine_grouped_mode(None, True, 2) == 1  # too few blocks to split: interleaved
-    assert kp.combine_grouped_mode("0", True, 24) == 0 and kp.combine_grouped_mode("1", False, 24) == 1
-    assert kp.combine_grouped_mode("split", False, 24) == 9  # 8 sending blocks, 16 summing
-    assert kp.combine_grouped_mode("split:8", False, 24) == 9
-    assert kp.combine_grouped_mode("split", False, 1) == 1  # one block: interleaved
-    assert kp.combine_grouped_mode("split:24", False, 24) == 1  # no block left to sum
+    assert kp.combine_grouped_mode(None, "split", 24) == 9 and kp.combine_grouped_mode("", "0", 24) == 0
+    assert kp.combine_grouped_mode(None, "split", 2) == 1  # too few blocks to split: interleaved
+    assert kp.combine_grouped_mode("0", "split", 24) == 0 and kp.combine_grouped_mode("1", "0", 24) == 1
+    assert kp.combine_grouped_mode("split", "0", 24) == 9  # 8 sending blocks, 16 summing
+    assert kp.combine_grouped_mode("split:8", "0", 24) == 9
+    assert kp.combine_grouped_mode("split", "0", 1) == 1  # one block: interleaved
+    assert kp.combine_grouped_mode("split:24", "0", 24) == 1  # no block left to sum
     with pytest.raises(ValueError, match="EP_COMM_COMBINE_GROUPED"):
-        kp.combine_grouped_mode("yes", False, 24)
+        kp.combine_grouped_mode("yes", "0", 24)
+    std = ep_comm.EPConfig(num_experts=64, top_k=2, hidden=64, max_tokens_per_rank=kp.GROUPED_MIN_TOKENS)
+    assert kp.default_combine_grouping(std, 2) == "split"  # measured at EP2 (bench/NOTES.md)
+    assert kp.default_combine_grouping(std, 4) == "1" and kp.default_combine_grouping(std, 8) == "1"
+    assert kp.default_combine_grouping(std, 1) == "0"
+    assert kp.default_combine_grouping(std.replace(layout="batched"), 2) == "0"
+    assert kp.default_combine_grouping(std.replace(max_tokens_per_rank=kp.GROUPED_MIN_TOKENS - 1), 2) == "0"
 
 
 def test_trace_layout_matches_the_header():

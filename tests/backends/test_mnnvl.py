@@ -130,7 +130,7 @@ def grouped_worker() -> dict:
                 for payload in ("bf16+scales", "fp8"):
                     cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=96)
                     with ep_comm.Communicator(cfg, device=device) as comm:
-                        want = kp.combine_grouped_mode(env, False, comm._impl.num_sms)
+                        want = kp.combine_grouped_mode(env, "0", comm._impl.num_sms)
                         if comm._impl.cfg_vec[kp.COMBINE_GROUPED] != want or want < 1:
                             out[f"forced/{mode}/{layout}/{payload}"] = [f"grouped mode {want} not switched on"]
                             continue
@@ -145,7 +145,7 @@ def grouped_worker() -> dict:
     for layout in ("standard", "batched"):
         cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=kp.GROUPED_MIN_TOKENS)
         with ep_comm.Communicator(cfg, device=device) as comm:
-            want = kp.combine_grouped_mode(None, layout == "standard", comm._impl.num_sms)
+            want = kp.combine_grouped_mode(None, kp.default_combine_grouping(cfg, world), comm._impl.num_sms)
             problems = [] if comm._impl.cfg_vec[kp.COMBINE_GROUPED] == want else [f"grouped combine chosen: "
                                                                                    f"{comm._impl.cfg_vec[kp.COMBINE_GROUPED]}"]
             spec = dict(tokens=[kp.GROUPED_MIN_TOKENS - 7 * r for r in range(world)])
