@@ -330,10 +330,11 @@ class Communicator:
         if validate and not self._impl.id_check_passed():
             try:
                 check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
-                raise EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
-            except EPError as exc:
-                self._impl.abandoned_in_kernel(exc)
-                raise
+                error = EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
+            except EPInputError as exc:
+                error = exc
+            self._impl.abandoned_in_kernel(error)  # the kernel already told the peers
+            raise error
         out.owner = self
         if earlier_drops:
             self._impl.check_errors()

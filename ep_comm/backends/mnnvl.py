@@ -206,15 +206,18 @@ class MnnvlBackend:
         """This rank's input was invalid: end every peer's current call now, with an error naming this
         rank.  The ranks' call sequences cannot be trusted afterwards, so the communicator is unusable."""
         if self._fatal is None:
-            self.abandoned_in_kernel(reason)
+            self._mark_abandoned(reason)
             self._abort_op(self.state, self.peer_base, self.cfg_vec)
 
     def abandoned_in_kernel(self, reason: BaseException) -> None:
         """The dispatch launched with ``abandon_on_invalid`` met this rank's invalid ids and signalled
         the peers an abort itself: from now on every call raises, as after ``abort``."""
         if self._fatal is None:
-            self._fatal = EPError(f"communicator unusable: rank {self.ctx.rank} abandoned a call after invalid "
-                                  f"input ({type(reason).__name__}: {reason}); create a new Communicator")
+            self._mark_abandoned(reason)
+
+    def _mark_abandoned(self, reason: BaseException) -> None:
+        self._fatal = EPError(f"communicator unusable: rank {self.ctx.rank} abandoned a call after invalid "
+                              f"input ({type(reason).__name__}: {reason}); create a new Communicator")
 
     # -- errors -------------------------------------------------------------------------------------------
     def poll_errors(self) -> None:

@@ -25,7 +25,7 @@ def unavailable() -> str:
 def select(ctx, g, num_tokens: int, epoch: int) -> Dispatched:
     """``gathered.select_local`` on CUDA in kernels (duplicates always merged: on ids the sender already
     merged that changes nothing).  ``g``: a ``gathered.Gathered`` of int32 ids / float32 weights."""
-    from .gathered import GatherHandle  # gathered imports this module lazily: no import cycle
+    from .gathered import GatherHandle  # imported here: gathered imports this module at its top
 
     cfg, num_local, capacity = ctx.cfg, ctx.num_local_experts, ctx.capacity
     k = g.ids.shape[-1]
