@@ -35,7 +35,8 @@ from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E40
 
 PIECES_MODULE = {  # module attribute -> label
     (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
-    (comm_mod, "check_ids"): "id check: naming the token", (gathered, "ids_in_range"): "id check (device sync)",
+    (comm_mod, "check_ids"): "id check: naming the token", (gathered, "start_id_check"): "id check (queued)",
+    (gathered, "id_check_passed"): "id check (waits for the device)",
     (comm_mod, "sanitize_routing"): "routing guard", (gathered, "merge_duplicates"): "routing guard",
     (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
     (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",
@@ -114,13 +115,6 @@ def rank_main(args: argparse.Namespace) -> dict:
         d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
         comm.combine(expert_out(d), d)
 
-    if args.no_overlap and hasattr(comm.control, "agree_start"):  # A/B: wait for the peers before the local work
-        blocking_start = comm.control.agree_start
-
-        def agree_now(*a, **k):
-            peers = blocking_start(*a, **k)()
-            return lambda: peers
-        comm.control.agree_start = agree_now
     for _ in range(args.warmup):
         pair()
     holder: dict = {}
@@ -147,7 +141,7 @@ def rank_main(args: argparse.Namespace) -> dict:
         if hasattr(comm.control, "agree_start"):
             start = comm.control.agree_start
 
-            def agree_start(*a, **k):  # the send, then (later, after the local work) the wait
+            def agree_start(*a, **k):  # the send, then the wait
                 wait = _wrap(acc, "host agreement: send", start, False)(*a, **k)
                 return _wrap(acc, "host agreement: wait", wait, cuda and args.sync)
 
@@ -188,8 +182,6 @@ def main() -> None:
                    help="EPConfig.validate_ids (off removes the id check's sync)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--no-overlap", action="store_true",
-                   help="wait for the host agreement before the local work (as before the split agreement)")
     p.add_argument("--ops", action="store_true", help="list the kernels (aten ops) each op issues")
     p.add_argument("--sync", action="store_true", help="GPU: sync around every piece (device time per piece)")
     args = p.parse_args()

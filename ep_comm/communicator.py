@@ -11,7 +11,7 @@ from . import backends as _backends
 from .backends import gathered as _gathered
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
-from .distributed.control import OP_COMBINE, OP_DISPATCH, ControlPlane
+from .distributed.control import OP_COMBINE, OP_DISPATCH, OP_NAMES, ControlPlane
 from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError, EPTopologyError
 from .layouts import Dispatched
 from .quant import quantize_fp8
@@ -153,31 +153,29 @@ class Communicator:
         if self._kernel:
             return self._dispatch_kernel(x, topk_ids, topk_weights, x_scales, return_recv_hook)
         capturing = self._capturing()
+        # Eager calls agree with the peers after the local work (pack) is queued: a local failure then
+        # reaches the peers like an input error instead of leaving them inside the collective, and the
+        # id check (validate_ids) is queued in front of that work and answered behind it, so the device
+        # keeps busy while the host waits for the answer.
+        late_check: Optional[_gathered.IdCheck] = None
         error: Optional[BaseException] = None
         try:
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
             if not capturing and self.cfg.validate_ids:
-                if not _gathered.ids_in_range(topk_ids, self.cfg.num_experts):
-                    check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+                late_check = _gathered.start_id_check(topk_ids, self.cfg.num_experts)
             elif not capturing:
                 self._dropped_ids.raise_earlier()
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
-            error = exc if isinstance(exc, EPError) else EPInputError(f"invalid dispatch input: {exc!r}")
-        wait = None
-        if capturing:
-            if error is not None:
-                raise error
-        else:
-            num_tokens = x.shape[0] if error is None else 0
-            wait = self.control.agree_start(OP_DISPATCH, self._epoch, num_tokens, error)
-            if error is not None:
-                wait()  # raises on every rank, this one's own error here
-                raise error
-        try:  # local work while the peers' records travel (docs/design.md §10: one round trip per call)
+            error = _input_error(exc, "dispatch")
+        if error is not None:
+            if not capturing:
+                self._agree(OP_DISPATCH, self._epoch, 0, error)
+            raise error
+        try:  # local work: it only reads this rank's inputs, so it is dropped if a peer reports an error
             if capturing:
                 ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
                 self._error_flags[FLAG_INVALID_IDS] += num_invalid
-            elif self.cfg.validate_ids:  # ids were checked in range above: receivers merge duplicates
+            elif self.cfg.validate_ids:  # checked below, before anything moves: receivers merge duplicates
                 ids, weights = topk_ids, topk_weights
             else:  # no sync: out-of-range ids go as -1, counted for a later call to raise
                 ids, weights = self._dropped_ids.drop(topk_ids), topk_weights
@@ -187,11 +185,18 @@ class Communicator:
                 payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
             batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None, merged=capturing)
             prepared = self._impl.prepare_dispatch(batch, eager=not capturing)
-        except BaseException:
-            _settle(wait)
+            if late_check is not None and not _gathered.id_check_passed(late_check):
+                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+        except EPInputError as exc:
+            if not capturing:
+                self._agree(OP_DISPATCH, self._epoch, 0, exc)
             raise
-        if wait is not None:
-            batch.peer_tokens = [p.num_tokens for p in wait()]
+        except BaseException as exc:
+            if not capturing:
+                _tell_peers(self._agree, OP_DISPATCH, self._epoch, exc)
+            raise
+        if not capturing:
+            batch.peer_tokens = [p.num_tokens for p in self._agree(OP_DISPATCH, self._epoch, x.shape[0])]
         try:
             out = self._impl.dispatch(batch, prepared)
         except Exception as exc:
@@ -228,26 +233,21 @@ class Communicator:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
             self._checks.combine(expert_out, dispatched, out)
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
-            error = exc if isinstance(exc, EPError) else EPInputError(f"invalid combine input: {exc!r}")
-        wait = None
-        if capturing:
-            if error is not None:
-                raise error
-        else:
-            wait = self.control.agree_start(OP_COMBINE, dispatched.epoch if error is None else -1,
-                                            0 if error is not None else dispatched.num_tokens, error)
-            if error is not None:
-                wait()  # raises on every rank, this one's own error here
-                raise error
-        if out is None:
-            out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
-        try:  # the partial sums are local: computed while the peers' records travel
+            error = _input_error(exc, "combine")
+        if error is not None:
+            if not capturing:
+                self._agree(OP_COMBINE, -1, 0, error)
+            raise error
+        try:  # the partial sums are local work: agreed on after it, as in dispatch
+            if out is None:
+                out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
             prepared = self._impl.prepare_combine(expert_out, dispatched)
-        except BaseException:
-            _settle(wait)
+        except BaseException as exc:
+            if not capturing:
+                _tell_peers(self._agree, OP_COMBINE, dispatched.epoch, exc)
             raise
-        if wait is not None:
-            wait()
+        if not capturing:
+            self._agree(OP_COMBINE, dispatched.epoch, dispatched.num_tokens)
         try:
             return self._impl.combine(expert_out, dispatched, out, prepared)
         except Exception as exc:
@@ -395,6 +395,12 @@ class Communicator:
                 pass
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _agree(self, op: int, epoch: int, num_tokens: int, error: Optional[BaseException] = None) -> list:
+        """The eager call's one host round trip: every rank's (op, epoch, status, T).  Raises on every
+        rank when any rank reports an error (this rank: its own ``error``), or a peer is on another call
+        or missing."""
+        return self.control.agree_start(op, epoch, num_tokens, error)()
+
     def _transport_failure(self, op: int, epoch: int, exc: Exception, capturing: bool) -> Exception:
         """What to raise when the backend's data movement failed after the peers had agreed.
 
@@ -472,13 +478,15 @@ def _rank_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
 
 
-def _settle(wait) -> None:
-    """Local work failed after this rank's agreement record went out: still take the peers' records
-    (the next call's exchange must not meet this one's), then let the local error propagate."""
-    if wait is None:
-        return
+def _input_error(exc: BaseException, op: str) -> EPError:
+    return exc if isinstance(exc, EPError) else EPInputError(f"invalid {op} input: {exc!r}")
+
+
+def _tell_peers(agree, op: int, epoch: int, exc: BaseException) -> None:
+    """Local work failed before this rank's record went out: send it with the failure, so the peers
+    raise instead of waiting in the collective, then let the local error propagate."""
     try:
-        wait()
+        agree(op, epoch, 0, EPError(f"local {OP_NAMES.get(op, op)} work failed: {exc!r}"))
     except Exception:  # noqa: BLE001 - the local error is the one to report
         pass
 

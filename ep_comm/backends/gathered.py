@@ -136,14 +136,40 @@ def _earlier(k: int, device: torch.device) -> torch.Tensor:
     return earlier
 
 
-def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
-    """Whether every id is -1 or a valid expert: one reduction and one device-to-host copy (the eager
-    check; ``routing.check_ids`` then names the offending token when this says no)."""
+@dataclasses.dataclass
+class IdCheck:
+    """An eager id check in flight: the ids' (min, max), copied to host memory behind the work queued
+    before it; ``done`` is recorded after the copy (None on CPU, where the copy is synchronous)."""
+    bounds: Optional[torch.Tensor]  # int64 [2] on the host, or None when there were no ids
+    done: Optional["torch.cuda.Event"]
+    num_experts: int
+
+
+def start_id_check(topk_ids: torch.Tensor, num_experts: int) -> IdCheck:
+    """Queue the eager id check (one reduction and a 2-element copy to pinned memory) without waiting:
+    the caller queues the rest of its local work behind it and asks ``id_check_passed`` afterwards, so
+    the device never idles while the host decides."""
     if topk_ids.numel() == 0:
+        return IdCheck(None, None, num_experts)
+    bounds = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
+    if bounds.device.type != "cuda":
+        return IdCheck(bounds, None, num_experts)
+    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host.copy_(bounds, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return IdCheck(host, done, num_experts)
+
+
+def id_check_passed(check: IdCheck) -> bool:
+    """Whether every id was -1 or a valid expert; waits until the device has reached the check (not for
+    the work queued after it).  ``routing.check_ids`` names the offending token when this says no."""
+    if check.bounds is None:
         return True
-    lo, hi = torch.aminmax(topk_ids)
-    lo, hi = torch.stack((lo, hi)).tolist()
-    return lo >= -1 and hi < num_experts
+    if check.done is not None:
+        check.done.synchronize()
+    lo, hi = check.bounds.tolist()
+    return lo >= -1 and hi < check.num_experts
 
 
 def device_checks(ctx: BackendContext) -> bool:

@@ -6,7 +6,7 @@ import torch
 
 from ep_comm.backends import RoutedBatch
 from ep_comm import EPConfig
-from ep_comm.backends.gathered import Gathered, ids_in_range, layout_for, pack, select_local, unpack
+from ep_comm.backends.gathered import Gathered, id_check_passed, layout_for, pack, select_local, start_id_check, unpack
 from ep_comm.routing import sanitize_routing
 
 
@@ -55,6 +55,10 @@ def test_merging_on_the_receiver_equals_sanitizing_on_the_sender(layout, stacked
             n = got.expert_num_tokens.tolist()
             for e in range(ctx.num_local_experts):
                 assert torch.equal(got.x[e, : n[e]], want.x[e, : n[e]]), msg
+
+
+def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
+    return id_check_passed(start_id_check(topk_ids, num_experts))
 
 
 def test_ids_in_range():
