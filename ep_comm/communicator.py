@@ -1,6 +1,7 @@
 """``Communicator``: validation, backend choice and the public dispatch/combine (docs/design.md §4-§7)."""
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Callable, Optional
 
@@ -100,10 +101,12 @@ class Communicator:
         return last, _backends.get_backend(last).create(self._ctx), skipped
 
     def _choose_backends(self, requested: str) -> list[str]:
-        """Every rank reports what it can run; all ranks get the same candidates (the requested backend,
-        or every usable one in ``AUTO_ORDER``) or all raise."""
+        """Every rank reports what it can run and the settings every rank must share; all ranks get the
+        same candidates (the requested backend, or every usable one in ``AUTO_ORDER``) or all raise."""
         local = _backends.local_availability(self._ctx)
-        everyone = self.control.gather_objects(local)
+        reports = self.control.gather_objects((local, _shared_settings(self.cfg, requested)))
+        _check_shared_settings([s for _, s in reports])
+        everyone = [a for a, _ in reports]
 
         def blocker(name: str) -> str:
             # one entry per distinct reason: at 72 ranks the same reason must not be repeated 72 times
@@ -462,6 +465,32 @@ class DroppedIds:
         if self.host is not None:
             self.host.zero_()
             self.in_flight = False
+
+
+# EPConfig fields that size or shape what ranks exchange, and the environment knobs that change the
+# protocol: a rank that differs would corrupt or wait forever, so creation refuses it on every rank.
+# (timeout_s, num_sms and validate_ids may differ: each rank's own business.)
+_SHARED_FIELDS = ("num_experts", "top_k", "hidden", "max_tokens_per_rank", "dtype", "layout", "quant")
+_SHARED_ENV = ("EP_COMM_COMBINE_GROUPED",)
+
+
+def _shared_settings(cfg: EPConfig, requested: str) -> dict:
+    out = {f: getattr(cfg, f) for f in _SHARED_FIELDS}
+    out["backend"] = requested  # after $EP_COMM_BACKEND
+    out.update({f"${name}": os.environ.get(name, "") for name in _SHARED_ENV})
+    return out
+
+
+def _check_shared_settings(per_rank: list[dict]) -> None:
+    """Raise ``EPConfigError`` (on every rank: all see the same reports) naming the first setting the
+    ranks disagree on and which ranks hold which value."""
+    for key in per_rank[0]:
+        by_value: dict[str, list[int]] = {}
+        for r, s in enumerate(per_rank):
+            by_value.setdefault(repr(s.get(key, "<missing>")), []).append(r)
+        if len(by_value) > 1:
+            held = "; ".join(f"{_rank_list(ranks)}: {value}" for value, ranks in by_value.items())
+            raise EPConfigError(key, per_rank[0].get(key), f"must be the same on every rank of the group ({held})")
 
 
 def _rank_list(ranks: list[int]) -> str:

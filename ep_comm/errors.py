@@ -14,12 +14,13 @@ class EPError(RuntimeError):
 
 
 class EPConfigError(EPError, ValueError):
-    """An ``EPConfig`` field (or the group it is used with) is invalid; the message names the field."""
+    """An ``EPConfig`` field (or the group it is used with, or an ``$EP_COMM_*`` environment variable:
+    ``field`` starting with ``$``) is invalid; the message names it."""
 
     def __init__(self, field: str, value: object, why: str):
         self.field = field
         self.value = value
-        super().__init__(f"EPConfig.{field}={value!r}: {why}")
+        super().__init__(f"{field if field.startswith('$') else 'EPConfig.' + field}={value!r}: {why}")
 
 
 class EPInputError(EPError, ValueError):

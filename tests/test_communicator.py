@@ -1,4 +1,5 @@
 """Communicator-level behaviour on gloo: typed errors on every rank, no hangs, timeouts, epochs."""
+import os
 import time
 
 import pytest
@@ -342,3 +343,30 @@ def test_communicator_over_subgroups():
     assert [(r, w) for r, w, _ in res] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     for rank, (_, _, problems) in enumerate(res):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+def mismatched_settings_worker(what: str):
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    cfg = _cfg(world)
+    if rank == 1 and what == "hidden":
+        cfg = cfg.replace(hidden=cfg.hidden + 8)
+    if rank == 1 and what == "env":
+        os.environ["EP_COMM_COMBINE_GROUPED"] = "split"
+    try:
+        with ep_comm.Communicator(cfg):
+            return ("created", "")
+    except ep_comm.EPConfigError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("what", ["hidden", "env"])
+def test_ranks_with_different_settings_are_refused_on_every_rank(what):
+    """A field that shapes what ranks exchange (or a protocol knob in the environment) that differs
+    between ranks would corrupt data or hang: creation raises on every rank, naming it and the ranks."""
+    results = raise_on_failure(spawn_local(mismatched_settings_worker, 3, (what,), timeout_s=120,
+                                           extra_env=lambda r: CPU_ONLY))
+    name = "EPConfig.hidden=" if what == "hidden" else "$EP_COMM_COMBINE_GROUPED="
+    for rank, (kind, msg) in enumerate(results):
+        assert kind == "EPConfigError", (rank, kind, msg)
+        assert msg.startswith(name) and "ranks 0, 2" in msg and "rank 1:" in msg, (rank, msg)
