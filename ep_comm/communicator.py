@@ -79,6 +79,7 @@ class Communicator:
             raise
         self._kernel = bool(getattr(self._impl, "kernel", False))
         self._dropped_ids = None if self._kernel else DroppedIds(self._error_flags, cfg.num_experts)
+        self._id_check = None if self._kernel else _gathered.IdRangeCheck(cfg.num_experts, self.device)
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._pending_hook: Optional[RecvHook] = None
@@ -160,12 +161,12 @@ class Communicator:
         # reaches the peers like an input error instead of leaving them inside the collective, and the
         # id check (validate_ids) is queued in front of that work and answered behind it, so the device
         # keeps busy while the host waits for the answer.
-        late_check: Optional[_gathered.IdCheck] = None
+        late_check = not capturing and self.cfg.validate_ids
         error: Optional[BaseException] = None
         try:
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
-            if not capturing and self.cfg.validate_ids:
-                late_check = _gathered.start_id_check(topk_ids, self.cfg.num_experts)
+            if late_check:
+                self._id_check.start_id_check(topk_ids)
             elif not capturing:
                 self._dropped_ids.raise_earlier()
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
@@ -188,8 +189,8 @@ class Communicator:
                 payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
             batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None, merged=capturing)
             prepared = self._impl.prepare_dispatch(batch, eager=not capturing)
-            if late_check is not None and not _gathered.id_check_passed(late_check):
-                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
+            if late_check and not self._id_check.id_check_passed():
+                raise self._invalid_ids_error(topk_ids)
         except EPInputError as exc:
             if not capturing:
                 self._agree(OP_DISPATCH, self._epoch, 0, exc)
@@ -331,11 +332,7 @@ class Communicator:
             out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch, abandon_on_invalid=validate)
         self._epoch += 1
         if validate and not self._impl.id_check_passed():
-            try:
-                check_ids(topk_ids, self.cfg.num_experts, self.rank)  # names the offending token
-                error = EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
-            except EPInputError as exc:
-                error = exc
+            error = self._invalid_ids_error(topk_ids)
             self._impl.abandoned_in_kernel(error)  # the kernel already told the peers
             raise error
         out.owner = self
@@ -398,6 +395,14 @@ class Communicator:
                 pass
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _invalid_ids_error(self, topk_ids: torch.Tensor) -> EPInputError:
+        """After a range check said no: the error naming the first offending token (one more sync)."""
+        try:
+            check_ids(topk_ids, self.cfg.num_experts, self.rank)
+        except EPInputError as exc:
+            return exc
+        return EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
+
     def _agree(self, op: int, epoch: int, num_tokens: int, error: Optional[BaseException] = None) -> list:
         """The eager call's one host round trip: every rank's (op, epoch, status, T).  Raises on every
         rank when any rank reports an error (this rank: its own ``error``), or a peer is on another call

@@ -32,8 +32,8 @@ def _record(comm, log: list[str], fail_pack: dict) -> None:
             return fn(*a, **k)
         setattr(owner, name, logged)
 
-    wrap(gathered, "start_id_check")
-    wrap(gathered, "id_check_passed")
+    wrap(gathered.IdRangeCheck, "start_id_check")
+    wrap(gathered.IdRangeCheck, "id_check_passed")
     wrap(gathered, "pack", fail=fail_pack)
     wrap(comm.control, "agree_start", "agree")
     wrap(comm._impl, "gather")

@@ -136,40 +136,44 @@ def _earlier(k: int, device: torch.device) -> torch.Tensor:
     return earlier
 
 
-@dataclasses.dataclass
-class IdCheck:
-    """An eager id check in flight: the ids' (min, max), copied to host memory behind the work queued
-    before it; ``done`` is recorded after the copy (None on CPU, where the copy is synchronous)."""
-    bounds: Optional[torch.Tensor]  # int64 [2] on the host, or None when there were no ids
-    done: Optional["torch.cuda.Event"]
-    num_experts: int
+class IdRangeCheck:
+    """The collective backends' eager id check, one per communicator: queued without waiting (one
+    reduction and a 2-element copy into a pinned buffer kept for every call), answered once the caller
+    has queued the rest of its local work behind it, so the device never idles while the host decides.
+    The same two calls as a kernel backend's (``base.KernelBackend``)."""
 
+    def __init__(self, num_experts: int, device: torch.device):
+        self.num_experts = num_experts
+        cuda = device.type == "cuda"
+        self._host = torch.empty(2, dtype=torch.int64, pin_memory=True) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
+        self._bounds: Optional[torch.Tensor] = None  # None: no ids in the last check
+        self._pending = False  # a copy whose answer was never read (the call failed in between)
 
-def start_id_check(topk_ids: torch.Tensor, num_experts: int) -> IdCheck:
-    """Queue the eager id check (one reduction and a 2-element copy to pinned memory) without waiting:
-    the caller queues the rest of its local work behind it and asks ``id_check_passed`` afterwards, so
-    the device never idles while the host decides."""
-    if topk_ids.numel() == 0:
-        return IdCheck(None, None, num_experts)
-    bounds = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
-    if bounds.device.type != "cuda":
-        return IdCheck(bounds, None, num_experts)
-    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    host.copy_(bounds, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return IdCheck(host, done, num_experts)
+    def start_id_check(self, topk_ids: torch.Tensor) -> None:
+        if self._pending:  # the buffer is reused: the earlier copy must land first
+            self._copied.synchronize()
+        self._bounds = None
+        if topk_ids.numel() == 0:
+            return
+        bounds = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
+        if self._host is None:
+            self._bounds = bounds
+            return
+        self._host.copy_(bounds, non_blocking=True)
+        self._copied.record()
+        self._bounds, self._pending = self._host, True
 
-
-def id_check_passed(check: IdCheck) -> bool:
-    """Whether every id was -1 or a valid expert; waits until the device has reached the check (not for
-    the work queued after it).  ``routing.check_ids`` names the offending token when this says no."""
-    if check.bounds is None:
-        return True
-    if check.done is not None:
-        check.done.synchronize()
-    lo, hi = check.bounds.tolist()
-    return lo >= -1 and hi < check.num_experts
+    def id_check_passed(self) -> bool:
+        """Whether every id was -1 or a valid expert; waits until the device has reached the check (not
+        for the work queued after it).  ``routing.check_ids`` names the offending token when it says no."""
+        if self._bounds is None:
+            return True
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+        lo, hi = self._bounds.tolist()
+        return lo >= -1 and hi < self.num_experts
 
 
 def device_checks(ctx: BackendContext) -> bool:

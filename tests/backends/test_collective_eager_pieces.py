@@ -6,7 +6,7 @@ import torch
 
 from ep_comm.backends import RoutedBatch
 from ep_comm import EPConfig
-from ep_comm.backends.gathered import Gathered, id_check_passed, layout_for, pack, select_local, start_id_check, unpack
+from ep_comm.backends.gathered import Gathered, IdRangeCheck, layout_for, pack, select_local, unpack
 from ep_comm.routing import sanitize_routing
 
 
@@ -57,15 +57,17 @@ def test_merging_on_the_receiver_equals_sanitizing_on_the_sender(layout, stacked
                 assert torch.equal(got.x[e, : n[e]], want.x[e, : n[e]]), msg
 
 
-def ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> bool:
-    return id_check_passed(start_id_check(topk_ids, num_experts))
+def test_id_range_check():
+    check = IdRangeCheck(8, torch.device("cpu"))  # one per communicator, reused by every call
 
-
-def test_ids_in_range():
-    assert ids_in_range(torch.empty(0, 4, dtype=torch.int64), 8)
-    assert ids_in_range(torch.tensor([[-1, 0], [7, 3]]), 8)
-    assert not ids_in_range(torch.tensor([[-2, 0]]), 8)
-    assert not ids_in_range(torch.tensor([[0, 8]], dtype=torch.int32), 8)
+    def in_range(ids: torch.Tensor) -> bool:
+        check.start_id_check(ids)
+        return check.id_check_passed()
+    assert in_range(torch.empty(0, 4, dtype=torch.int64))
+    assert in_range(torch.tensor([[-1, 0], [7, 3]]))
+    assert not in_range(torch.tensor([[-2, 0]]))
+    assert not in_range(torch.tensor([[0, 8]], dtype=torch.int32))
+    assert in_range(torch.empty(0, 4, dtype=torch.int64))  # an empty call after a failed one passes
 
 
 def test_unpack_of_one_stacked_buffer_equals_the_list_path():
