@@ -35,8 +35,8 @@ from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E40
 
 PIECES_MODULE = {  # module attribute -> label
     (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
-    (comm_mod, "check_ids"): "id check: naming the token", (gathered.IdRangeCheck, "start_id_check"): "id check (queued)",
-    (gathered.IdRangeCheck, "id_check_passed"): "id check (waits for the device)",
+    (comm_mod, "check_ids"): "id check: naming the token", (gathered.InvalidIdReport, "drop"): "id check (dropped and counted)",
+    (gathered.InvalidIdReport, "invalid_ranks"): "id check (reads every rank's count)",
     (comm_mod, "sanitize_routing"): "routing guard", (gathered, "merge_duplicates"): "routing guard",
     (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
     (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",

@@ -79,7 +79,8 @@ class Communicator:
             raise
         self._kernel = bool(getattr(self._impl, "kernel", False))
         self._dropped_ids = None if self._kernel else DroppedIds(self._error_flags, cfg.num_experts)
-        self._id_check = None if self._kernel else _gathered.IdRangeCheck(cfg.num_experts, self.device)
+        self._invalid_ids = (None if self._kernel
+                             else _gathered.InvalidIdReport(self.world_size, cfg.num_experts, self.device))
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._pending_hook: Optional[RecvHook] = None
@@ -158,16 +159,15 @@ class Communicator:
             return self._dispatch_kernel(x, topk_ids, topk_weights, x_scales, return_recv_hook)
         capturing = self._capturing()
         # Eager calls agree with the peers after the local work (pack) is queued: a local failure then
-        # reaches the peers like an input error instead of leaving them inside the collective, and the
-        # id check (validate_ids) is queued in front of that work and answered behind it, so the device
-        # keeps busy while the host waits for the answer.
+        # reaches the peers like an input error instead of leaving them inside the collective.  With
+        # validate_ids the out-of-range ids go as -1 and their count rides in the packed header, so every
+        # rank learns every rank's count from the gathered data and the host reads it at the end of the
+        # call, with the whole dispatch queued (docs/design.md §10).
         late_check = not capturing and self.cfg.validate_ids
         error: Optional[BaseException] = None
         try:
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
-            if late_check:
-                self._id_check.start_id_check(topk_ids)
-            elif not capturing:
+            if not capturing and not late_check:
                 self._dropped_ids.raise_earlier()
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must learn of it
             error = _input_error(exc, "dispatch")
@@ -175,12 +175,13 @@ class Communicator:
             if not capturing:
                 self._agree(OP_DISPATCH, self._epoch, 0, error)
             raise error
+        num_invalid = None
         try:  # local work: it only reads this rank's inputs, so it is dropped if a peer reports an error
             if capturing:
-                ids, weights, num_invalid = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
-                self._error_flags[FLAG_INVALID_IDS] += num_invalid
-            elif self.cfg.validate_ids:  # checked below, before anything moves: receivers merge duplicates
-                ids, weights = topk_ids, topk_weights
+                ids, weights, num_invalid_ids = sanitize_routing(topk_ids, topk_weights, self.cfg.num_experts)
+                self._error_flags[FLAG_INVALID_IDS] += num_invalid_ids
+            elif late_check:  # receivers merge duplicates; the count is answered after the gather
+                (ids, num_invalid), weights = self._invalid_ids.drop(topk_ids), topk_weights
             else:  # no sync: out-of-range ids go as -1, counted for a later call to raise
                 ids, weights = self._dropped_ids.drop(topk_ids), topk_weights
             if self.cfg.quant == "fp8":
@@ -188,9 +189,7 @@ class Communicator:
             else:
                 payload, scales = x.contiguous(), None if x_scales is None else x_scales.contiguous()
             batch = _backends.RoutedBatch(payload, scales, ids, weights, self._epoch, None, merged=capturing)
-            prepared = self._impl.prepare_dispatch(batch, eager=not capturing)
-            if late_check and not self._id_check.id_check_passed():
-                raise self._invalid_ids_error(topk_ids)
+            prepared = self._impl.prepare_dispatch(batch, eager=not capturing, invalid_ids=num_invalid)
         except EPInputError as exc:
             if not capturing:
                 self._agree(OP_DISPATCH, self._epoch, 0, exc)
@@ -202,14 +201,21 @@ class Communicator:
         if not capturing:
             batch.peer_tokens = [p.num_tokens for p in self._agree(OP_DISPATCH, self._epoch, x.shape[0])]
         try:
-            out = self._impl.dispatch(batch, prepared)
+            out = self._impl.dispatch(batch, prepared, self._invalid_ids if late_check else None)
         except Exception as exc:
             typed = self._transport_failure(OP_DISPATCH, self._epoch, exc, capturing)
             if typed is exc:
                 raise
             raise typed from exc
+        self._epoch += 1  # the exchange happened on every rank, whatever the answer below
+        if late_check:
+            bad = self._invalid_ids.invalid_ranks()
+            if bad:  # every rank holds the same counts, so every rank raises here
+                if self.rank in bad:
+                    raise self._invalid_ids_error(topk_ids)
+                raise EPInputError(f"invalid input on peer rank(s) {bad} (topk_ids outside [-1, num_experts="
+                                   f"{self.cfg.num_experts}); the dispatch is not returned on any rank)")
         out.owner = self
-        self._epoch += 1
         return out
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None,

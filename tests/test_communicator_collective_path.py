@@ -2,9 +2,9 @@
 
 The host agreement comes after the call's local work (pack): a local failure is announced to the
 peers like an input error, so nobody is left waiting inside the collective.  With ``validate_ids``
-the id check is queued in front of the local work and answered behind it, so on a GPU the device
-keeps busy while the host waits for the answer.  Nothing moves between ranks before the agreement,
-and a bad id raises on every rank.  ``tests/test_communicator.py`` checks the errors' wording and the
+the out-of-range ids go as -1 and their count travels in the packed header; the host reads every
+rank's count after the gather, so on a GPU it waits for the device only once the whole dispatch is
+queued.  Nothing moves between ranks before the agreement, and a bad id raises on every rank.  ``tests/test_communicator.py`` checks the errors' wording and the
 results against the oracle.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _record(comm, log: list[str], fail_pack: dict) -> None:
             return fn(*a, **k)
         setattr(owner, name, logged)
 
-    wrap(gathered.IdRangeCheck, "start_id_check")
-    wrap(gathered.IdRangeCheck, "id_check_passed")
+    wrap(gathered.InvalidIdReport, "drop")
+    wrap(gathered.InvalidIdReport, "invalid_ranks")
     wrap(gathered, "pack", fail=fail_pack)
     wrap(comm.control, "agree_start", "agree")
     wrap(comm._impl, "gather")
@@ -79,20 +79,20 @@ def order_worker(backend: str) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["naive", "ag_rs"])
-def test_eager_collective_dispatch_answers_the_id_check_after_queuing_local_work(backend):
+def test_eager_collective_dispatch_reads_the_id_counts_after_the_gather(backend):
     results = raise_on_failure(spawn_local(order_worker, 2, (backend,), timeout_s=120,
                                            extra_env=lambda r: CPU_ONLY))
+    clean = ["drop", "pack", "agree", "gather", "invalid_ranks"]
     for rank, res in enumerate(results):
-        # validation on: check queued, local work queued behind it, then the answer, then the agreement
-        assert res["on/clean"] == (["start_id_check", "pack", "id_check_passed", "agree", "gather"], "", []), \
-            (rank, res["on/clean"])
+        # validation on: ids dropped and counted, packed, agreed, gathered, then every rank's count read
+        assert res["on/clean"] == (clean, "", []), (rank, res["on/clean"])
         calls, raised = res["on/bad id on rank 1"]
-        assert "gather" not in calls and calls[-1] == "agree", (rank, calls)
-        assert raised.startswith("EPInputError"), (rank, raised)
+        assert calls == clean, (rank, calls)  # the exchange went ahead with the bad id sent as -1 ...
+        assert raised.startswith("EPInputError"), (rank, raised)  # ... and every rank raises after it
         if rank == 1:
             assert f"topk_ids[0, 1] = {4 * 2 + 7} on rank 1" in raised, raised
         else:
-            assert "rank 1" in raised, raised
+            assert "rank(s) [1]" in raised, raised
         for key in ("on", "off"):  # a local failure: the peers are told and raise; nobody waits in the gather
             calls, raised = res[f"{key}/pack fails on rank 1"]
             assert "gather" not in calls and calls[-1] == "agree", (rank, key, calls)
@@ -100,8 +100,7 @@ def test_eager_collective_dispatch_answers_the_id_check_after_queuing_local_work
                 assert raised == "RuntimeError: pack failed (injected)", (key, raised)
             else:
                 assert raised.startswith("EPInputError") and "rank 1" in raised, (key, raised)
-        assert res["on/after"] == (["start_id_check", "pack", "id_check_passed", "agree", "gather"], "", []), \
-            (rank, res["on/after"])
-        # validation off: no check at all; the agreement still follows the local work
+        assert res["on/after"] == (clean, "", []), (rank, res["on/after"])
+        # validation off: no report at all; the agreement still follows the local work
         for key in ("off/clean", "off/after"):
             assert res[key] == (["pack", "agree", "gather"], "", []), (rank, key, res[key])

@@ -22,11 +22,13 @@ import torch
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..errors import EPError
 from ..layouts import Dispatched
+from ..routing import drop_invalid_ids
 from . import kernel_ops, select_kernel
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
 MAGIC = 0x45504331  # "EPC1"
 HEADER_INTS = 8
+HEADER_INVALID_IDS = 5  # header word: out-of-range ids this rank sent as -1 (eager validate_ids)
 ALIGN = 16
 
 
@@ -68,26 +70,36 @@ class CollectiveBackend:
 
     # Each op is split into a local half (no peer involved: it may run while the host agreement is in
     # flight, docs/design.md §10) and the exchange; dispatch()/combine() run both.
-    def prepare_dispatch(self, batch: RoutedBatch, eager: bool) -> "PreparedDispatch":
-        """Pack this rank's send buffer (local work only)."""
+    def prepare_dispatch(self, batch: RoutedBatch, eager: bool,
+                         invalid_ids: Optional[torch.Tensor] = None) -> "PreparedDispatch":
+        """Pack this rank's send buffer (local work only).  ``invalid_ids``: the 0-d device count of ids
+        this rank sent as -1, reported to every rank in the header (``InvalidIdReport``)."""
         ctx = self.ctx
         checks = device_checks(ctx)
         mine = layout_for(batch, self.own_rows(batch, eager))
         send = torch.empty(mine.nbytes, dtype=torch.uint8, device=ctx.device)
-        pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None)
-        return PreparedDispatch(mine, send, checks)
+        pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None, invalid_ids=invalid_ids)
+        return PreparedDispatch(mine, send, checks, invalid_ids is not None)
 
-    def dispatch(self, batch: RoutedBatch, prepared: Optional["PreparedDispatch"] = None) -> Dispatched:
+    def dispatch(self, batch: RoutedBatch, prepared: Optional["PreparedDispatch"] = None,
+                 report: Optional["InvalidIdReport"] = None) -> Dispatched:
+        """The exchange half.  ``report``: collects every rank's count of invalid ids from the gathered
+        headers (the buffers must have been packed with ``invalid_ids``)."""
         ctx = self.ctx
         if prepared is None:
             prepared = self.prepare_dispatch(batch, eager=batch.peer_tokens is not None)
+        if (report is not None) != prepared.reports_invalid_ids:
+            raise EPError("dispatch: an invalid-id report needs buffers packed with the count, and only then")
         layouts = layouts_for(batch, self.rows_per_rank(batch))
         if layouts[ctx.rank] != prepared.layout:  # the agreed counts contradict what was packed
             raise EPError(f"rank {ctx.rank}: packed {prepared.layout.rows} token slots but the agreed counts say "
                           f"{layouts[ctx.rank].rows}")
-        g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts, headers=prepared.checks)
+        g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts,
+                   headers=prepared.checks or report is not None)
         if prepared.checks:
             check_dispatch_headers(ctx, g, OP_DISPATCH, batch.epoch)
+        if report is not None:  # queued before the selection: the host's answer need not wait for it
+            report.collect(g.headers)
         return select_local(ctx, g, batch.num_tokens, batch.epoch, merge=not batch.merged)
 
     def prepare_combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> "PreparedCombine":
@@ -114,6 +126,7 @@ class PreparedDispatch:
     layout: "PackLayout"
     send: torch.Tensor
     checks: bool  # the buffer carries the device-checked (op, epoch) header
+    reports_invalid_ids: bool = False  # the header carries this rank's count of dropped ids
 
 
 @dataclasses.dataclass
@@ -136,44 +149,51 @@ def _earlier(k: int, device: torch.device) -> torch.Tensor:
     return earlier
 
 
-class IdRangeCheck:
-    """The collective backends' eager id check, one per communicator: queued without waiting (one
-    reduction and a 2-element copy into a pinned buffer kept for every call), answered once the caller
-    has queued the rest of its local work behind it, so the device never idles while the host decides.
-    The same two calls as a kernel backend's (``base.KernelBackend``)."""
+class InvalidIdReport:
+    """``validate_ids`` on the collective backends' eager path, one per communicator.
 
-    def __init__(self, num_experts: int, device: torch.device):
+    The caller's out-of-range ids are sent as -1 and counted on the device (``drop``); the count rides
+    in the packed buffer's header (``HEADER_INVALID_IDS``), so after the gather every rank holds every
+    rank's count without another exchange.  ``collect`` copies them to a pinned buffer kept for every
+    call and ``invalid_ranks`` reads them once the whole dispatch is queued: the host waits for the
+    device at the end of the call, never in the middle of it with the device idle (docs/design.md §10).
+    """
+
+    def __init__(self, world: int, num_experts: int, device: torch.device):
         self.num_experts = num_experts
         cuda = device.type == "cuda"
-        self._host = torch.empty(2, dtype=torch.int64, pin_memory=True) if cuda else None
+        self._host = torch.empty(world, dtype=torch.int32, pin_memory=True) if cuda else None
         self._copied = torch.cuda.Event() if cuda else None
-        self._bounds: Optional[torch.Tensor] = None  # None: no ids in the last check
+        self._counts: Optional[torch.Tensor] = None
         self._pending = False  # a copy whose answer was never read (the call failed in between)
 
-    def start_id_check(self, topk_ids: torch.Tensor) -> None:
-        if self._pending:  # the buffer is reused: the earlier copy must land first
+    def drop(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, count)``: ``topk_ids`` with out-of-range ids as -1, and a 0-d device count of them for
+        ``pack``'s header.  No host synchronisation."""
+        if self._pending:  # the pinned buffer is reused: an earlier copy must land before it is overwritten
             self._copied.synchronize()
-        self._bounds = None
-        if topk_ids.numel() == 0:
-            return
-        bounds = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
-        if self._host is None:
-            self._bounds = bounds
-            return
-        self._host.copy_(bounds, non_blocking=True)
-        self._copied.record()
-        self._bounds, self._pending = self._host, True
+            self._pending = False
+        self._counts = None
+        return drop_invalid_ids(topk_ids, self.num_experts)
 
-    def id_check_passed(self) -> bool:
-        """Whether every id was -1 or a valid expert; waits until the device has reached the check (not
-        for the work queued after it).  ``routing.check_ids`` names the offending token when it says no."""
-        if self._bounds is None:
-            return True
+    def collect(self, headers: torch.Tensor) -> None:
+        """Queue the copy of every rank's count (``headers [world, HEADER_INTS]`` of the gathered buffers)."""
+        counts = headers[:, HEADER_INVALID_IDS]
+        if self._host is None:
+            self._counts = counts.clone()
+            return
+        self._host.copy_(counts, non_blocking=True)
+        self._copied.record()
+        self._counts, self._pending = self._host, True
+
+    def invalid_ranks(self) -> list[int]:
+        """Ranks that sent out-of-range ids in this call (waits for the device to reach the copy)."""
+        if self._counts is None:
+            raise EPError("invalid_ranks() before the gathered counts were collected")
         if self._pending:
             self._copied.synchronize()
             self._pending = False
-        lo, hi = self._bounds.tolist()
-        return lo >= -1 and hi < self.num_experts
+        return [r for r, n in enumerate(self._counts.tolist()) if n]
 
 
 def device_checks(ctx: BackendContext) -> bool:
@@ -258,10 +278,11 @@ def _layout(*fields) -> PackLayout:
 
 
 def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
-         header: Optional[tuple[int, int]] = None) -> torch.Tensor:
+         header: Optional[tuple[int, int]] = None, invalid_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write ``batch`` into the uint8 buffer ``out [layout.nbytes]``; slots past T are padding (ids -1).
 
     ``header``: ``(op, rank)`` to stamp the (op, epoch, T) header (see ``device_checks``), or None.
+    ``invalid_ids``: a 0-d device count for the header's ``HEADER_INVALID_IDS`` word (``InvalidIdReport``).
     """
     t, rows, k = batch.num_tokens, layout.rows, layout.top_k
     if header is not None:
@@ -270,6 +291,8 @@ def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
         op, rank = header
         for i, value in enumerate((MAGIC, op, batch.epoch % (1 << 31), t, rank, 0, 0, 0)):
             words[i].fill_(value)
+    if invalid_ids is not None:  # a device-to-device copy: no sync, and legal while capturing
+        out[: HEADER_INTS * 4].view(torch.int32)[HEADER_INVALID_IDS].copy_(invalid_ids)
     ids = out[layout.ids_off: layout.ids_off + rows * k * 4].view(torch.int32).view(rows, k)
     ids[:t].copy_(batch.topk_ids)
     w = out[layout.w_off: layout.w_off + rows * k * 4].view(torch.float32).view(rows, k)

@@ -6,7 +6,8 @@ import torch
 
 from ep_comm.backends import RoutedBatch
 from ep_comm import EPConfig
-from ep_comm.backends.gathered import Gathered, IdRangeCheck, layout_for, pack, select_local, unpack
+from ep_comm.errors import EPError
+from ep_comm.backends.gathered import Gathered, InvalidIdReport, layout_for, pack, select_local, unpack
 from ep_comm.routing import sanitize_routing
 
 
@@ -57,17 +58,32 @@ def test_merging_on_the_receiver_equals_sanitizing_on_the_sender(layout, stacked
                 assert torch.equal(got.x[e, : n[e]], want.x[e, : n[e]]), msg
 
 
-def test_id_range_check():
-    check = IdRangeCheck(8, torch.device("cpu"))  # one per communicator, reused by every call
-
-    def in_range(ids: torch.Tensor) -> bool:
-        check.start_id_check(ids)
-        return check.id_check_passed()
-    assert in_range(torch.empty(0, 4, dtype=torch.int64))
-    assert in_range(torch.tensor([[-1, 0], [7, 3]]))
-    assert not in_range(torch.tensor([[-2, 0]]))
-    assert not in_range(torch.tensor([[0, 8]], dtype=torch.int32))
-    assert in_range(torch.empty(0, 4, dtype=torch.int64))  # an empty call after a failed one passes
+@pytest.mark.parametrize("stacked", [False, True])
+def test_invalid_id_report_travels_in_the_headers(stacked):
+    """Each rank's out-of-range ids go as -1 and their count reaches every rank through the gathered
+    headers; one report is reused by every call."""
+    g = torch.Generator().manual_seed(int(stacked))
+    world, rows, k, experts = 3, 5, 2, 6
+    report = InvalidIdReport(world, experts, torch.device("cpu"))  # one per communicator
+    with pytest.raises(EPError, match="before"):
+        report.invalid_ranks()
+    for bad_ranks in ([1], [], [0, 2]):
+        sends, sent_ids = [], []
+        for r in range(world):
+            ids = torch.randint(-1, experts, (rows, k), generator=g)
+            if r in bad_ranks:
+                ids[r, 1], ids[rows - 1, 0] = experts + r, -5
+            clean, count = report.drop(ids)
+            assert int(count) == (2 if r in bad_ranks else 0)
+            batch = RoutedBatch(torch.randn(rows, 8, generator=g).to(torch.bfloat16), None, clean,
+                                torch.rand(rows, k, generator=g), 0, None)
+            lay = layout_for(batch, rows)
+            sends.append(pack(batch, lay, torch.empty(lay.nbytes, dtype=torch.uint8), invalid_ids=count))
+            sent_ids.append(torch.where((ids < -1) | (ids >= experts), -1, ids))
+        got = unpack(torch.stack(sends) if stacked else sends, [lay] * world)
+        report.collect(got.headers)
+        assert report.invalid_ranks() == bad_ranks
+        assert torch.equal(got.ids.reshape(world * rows, k), torch.cat(sent_ids).to(torch.int32))
 
 
 def test_unpack_of_one_stacked_buffer_equals_the_list_path():
