@@ -83,6 +83,7 @@ class Communicator:
                              else _gathered.InvalidIdReport(self.world_size, cfg.num_experts, self.device))
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
+        self._uncombined: Optional[int] = None  # zero_copy: the dispatch whose rows are still in use
         self._pending_hook: Optional[RecvHook] = None
         self._closed = False
 
@@ -319,6 +320,9 @@ class Communicator:
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
         earlier_drops = host_checks and self._before_kernel_call()
         try:
+            if self._uncombined is not None:
+                raise EPError(f"rank {self.rank}: zero_copy: dispatch {self._uncombined} has not been combined; its "
+                              "rows are views of the receive buffer that this dispatch would overwrite")
             self._checks.dispatch(x, topk_ids, topk_weights, x_scales)
             self._impl.check_inputs(x, x_scales)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the peers must not wait for us
@@ -336,6 +340,8 @@ class Communicator:
                                                      abandon_on_invalid=validate)
         else:
             out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch, abandon_on_invalid=validate)
+        if getattr(self._impl, "zero_copy", False):
+            self._uncombined = self._epoch
         self._epoch += 1
         if validate and not self._impl.id_check_passed():
             error = self._invalid_ids_error(topk_ids)
@@ -361,6 +367,8 @@ class Communicator:
             raise EPInputError(f"invalid combine input: {exc!r}") from exc
         if out is None:
             out = torch.empty(dispatched.num_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        if dispatched.epoch == self._uncombined:
+            self._uncombined = None
         if hook:
             receive = self._impl.combine_split(expert_out, dispatched, out)
         else:
@@ -481,7 +489,7 @@ class DroppedIds:
 # EPConfig fields that size or shape what ranks exchange, and the environment knobs that change the
 # protocol: a rank that differs would corrupt or wait forever, so creation refuses it on every rank.
 # (timeout_s, num_sms and validate_ids may differ: each rank's own business.)
-_SHARED_FIELDS = ("num_experts", "top_k", "hidden", "max_tokens_per_rank", "dtype", "layout", "quant")
+_SHARED_FIELDS = ("num_experts", "top_k", "hidden", "max_tokens_per_rank", "dtype", "layout", "quant", "zero_copy")
 _SHARED_ENV = ("EP_COMM_COMBINE_GROUPED",)
 
 

@@ -46,6 +46,12 @@ class EPConfig:
     that meets a bad id sends its peers an abort instead of rows. False skips that sync: out-of-range
     ids are treated as -1 and counted on the device, and a later call (kernel backends: the next one;
     collective backends: the first dispatch after the device has counted them) or ``check_errors()`` raises.
+    ``zero_copy`` (standard layout): the kernel backends return ``Dispatched.x`` / ``x_scales`` as
+    row-strided views of the communicator's receive buffer instead of copying the received rows out
+    (prefill: ≈ 80 µs of a 300 µs EP2 dispatch at 4096 tokens).  The views stay valid until this
+    rank's ``combine`` of that dispatch, and every dispatch must be combined before the next one on
+    the communicator (``EPError`` otherwise).  The collective backends' standard ``x`` is a view of
+    the gathered data already; they accept the flag and change nothing.
     """
 
     num_experts: int
@@ -59,6 +65,7 @@ class EPConfig:
     timeout_s: float = 100.0
     num_sms: Optional[int] = None
     validate_ids: bool = True
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -85,6 +92,11 @@ class EPConfig:
             raise EPConfigError("num_sms", self.num_sms, "must be None or a positive int")
         if not isinstance(self.validate_ids, bool):
             raise EPConfigError("validate_ids", self.validate_ids, "must be True or False")
+        if not isinstance(self.zero_copy, bool):
+            raise EPConfigError("zero_copy", self.zero_copy, "must be True or False")
+        if self.zero_copy and self.layout != "standard":
+            raise EPConfigError("zero_copy", self.zero_copy, "applies to the standard layout only (the batched "
+                                "layout's rows are laid out per expert, so they are always copied)")
 
     def check_world(self, world_size: int) -> None:
         """Raise EPConfigError unless the experts split evenly over ``world_size`` ranks."""

@@ -36,6 +36,7 @@ class RecordingKernelBackend:
         self.log: list[str] = []
         self.fatal: Optional[EPError] = None
         self._ids_ok = True
+        self.zero_copy = ctx.cfg.zero_copy
 
     @classmethod
     def availability(cls, ctx) -> Availability:
@@ -149,6 +150,14 @@ def kernel_path_worker() -> dict:
         out["after the bad id"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
     with ep_comm.Communicator(cfg.replace(validate_ids=False)) as comm:
         out["bad id, validation off"] = _calls(comm, lambda: comm.dispatch(x, bad, w))
+    zc = cfg.replace(zero_copy=True, validate_ids=False)
+    with ep_comm.Communicator(zc) as comm:  # dispatch, combine, dispatch: in step
+        d = comm.dispatch(x, ids, w)
+        out["zero copy, combined"] = _calls(comm, lambda: comm.combine(torch.zeros_like(d.x), d))
+        out["zero copy, next dispatch"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
+    with ep_comm.Communicator(zc) as comm:  # a second dispatch would overwrite the rows still in use
+        comm.dispatch(x, ids, w)
+        out["zero copy, uncombined"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
     return out
 
 
@@ -176,3 +185,9 @@ def test_kernel_path_orders_validation_launch_and_hooks():
     assert calls == [] and raised.startswith("EPError") and "abandoned" in raised, (calls, raised)
     # validation off: no check, no abandoning; the kernel counts the id and a later call raises
     assert res["bad id, validation off"] == (["check_inputs", "dispatch abandon_on_invalid=False"], "")
+    # zero copy: a dispatch must follow the combine of the previous one; otherwise it is refused before
+    # anything is launched and the peers are told
+    assert res["zero copy, combined"] == (["combine"], "")
+    assert res["zero copy, next dispatch"] == (["check_inputs", "dispatch abandon_on_invalid=False"], "")
+    calls, raised = res["zero copy, uncombined"]
+    assert calls == ["abort"] and raised.startswith("EPError") and "zero_copy: dispatch 0" in raised, (calls, raised)

@@ -22,7 +22,8 @@ def test_defaults_and_derived():
     "field,value",
     [("num_experts", 0), ("num_experts", -3), ("top_k", 0), ("hidden", 1.5), ("max_tokens_per_rank", 0),
      ("top_k", 17), ("layout", "rank_major"), ("backend", "deepep"), ("quant", "int4"), ("dtype", "int8"),
-     ("dtype", torch.int32), ("timeout_s", 0), ("timeout_s", float("inf")), ("num_experts", True)],
+     ("dtype", torch.int32), ("timeout_s", 0), ("timeout_s", float("inf")), ("num_experts", True),
+     ("zero_copy", 1)],
 )
 def test_bad_field_names_field_and_value(field, value):
     with pytest.raises(EPConfigError) as info:
@@ -55,3 +56,9 @@ def test_backend_env_overrides_only_auto(monkeypatch):
         cfg().resolved_backend_request()
     monkeypatch.delenv(BACKEND_ENV)
     assert cfg().resolved_backend_request() == "auto"
+
+
+def test_zero_copy_is_for_the_standard_layout():
+    assert cfg(zero_copy=True).zero_copy
+    with pytest.raises(EPConfigError, match="standard layout"):
+        cfg(zero_copy=True, layout="batched")

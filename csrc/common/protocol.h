@@ -88,6 +88,8 @@ enum : int {
   kCfgStageOffset,       // put mode: [world][max_tokens] dispatch rows staged per destination
   kCfgStageCombineOffset,  // put mode: [world][max_tokens] combine partials staged per owner
   kCfgStageCountsOffset,   // put mode: [world][num_local] int32 counts staged per destination
+  kCfgZeroCopy,            // 1 (standard layout): the output rows are the receive buffer's rows of
+                           // dispatch half 0, where every call's rows go (the host views them)
   kCfgLen
 };
 

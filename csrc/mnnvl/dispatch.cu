@@ -39,6 +39,7 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.stage_offset = cfg[kCfgStageOffset];
   l.stage_combine_offset = cfg[kCfgStageCombineOffset];
   l.stage_counts_offset = cfg[kCfgStageCountsOffset];
+  l.zero_copy = static_cast<int>(cfg[kCfgZeroCopy]);
   return l;
 }
 
@@ -103,6 +104,8 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
 // that expert of output row ``row``.  Leaves in ``dst`` / ``dst_s`` where the row's payload and scales
 // go (the standard row, or one batched slot per expert) and returns how many; with ``write_ids`` also
 // writes the row's ids, weights and slots.  A row whose ids are all -1 is padding: nothing to copy.
+// Zero copy: the standard row ``src * max_tokens + t`` is row (src, t) of this rank's dispatch half 0,
+// where source src's rows arrive, so only this rank's own rows are copied (while sending).
 __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, int slot,
                                          bool write_ids, uint8_t** dst, uint8_t** dst_s, int lane) {
   const int k = p.c.lay.top_k;
@@ -115,8 +118,15 @@ __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, i
   const unsigned mask = __ballot_sync(kFull, lid >= 0);
   if (!p.c.lay.batched) {
     if (lane == 0) {
-      dst[0] = static_cast<uint8_t*>(p.out_x) + row * p.payload_bytes;
-      dst_s[0] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + row * p.scale_bytes : nullptr;
+      const Layout& L = p.c.lay;
+      if (L.zero_copy) {
+        uint8_t* r = peer_ptr(p.c, L.rank) + L.dispatch_offset[0] + row * L.row_stride;
+        dst[0] = r + L.payload_offset;
+        dst_s[0] = p.scale_bytes ? r + L.scale_offset : nullptr;
+      } else {
+        dst[0] = static_cast<uint8_t*>(p.out_x) + row * p.payload_bytes;
+        dst_s[0] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + row * p.scale_bytes : nullptr;
+      }
     }
     __syncwarp();
     return mask ? 1 : 0;
@@ -212,6 +222,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
   const auto [seq, code, parity] = current_call(p.c, kOpDispatch, p.phases);
+  // zero copy keeps every call's rows in half 0: the host's views of them must not move between calls
+  // (the rows of call n are consumed before the combine of call n, which every peer's call n + 1 waits
+  // for; the host refuses a dispatch before the combine of the previous one)
+  const int data_half = L.zero_copy ? 0 : parity;
   stamp(L, kTraceDispatch, kTrStart);
 
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
@@ -251,7 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       }
     }
     // the row's offset in its owner's buffer; put mode writes it to this rank's staging row first
-    const int64_t row_off = L.dispatch_offset[parity] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
+    const int64_t row_off =
+        L.dispatch_offset[data_half] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
     if (remote) {
       const int i = __popc(remote_mask & lanes_below(lane));
       uint8_t* row = put_mode(L) ? own_at(p.c, stage_row_off(L, r.owner_rank, t))
@@ -368,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
     } else {
       const uint8_t* region =
-          own_buf + L.dispatch_offset[parity] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+          own_buf + L.dispatch_offset[data_half] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
       const int64_t src_items = static_cast<int64_t>(L.max_tokens) * p.chunks;
       for (int64_t item = gwarp; item < src_items; item += nwarps) {
         const int t = static_cast<int>(item / p.chunks);
@@ -387,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
             valid = false;
           }
         }
-        if (!valid && chunk > 0) continue;
+        if ((!valid || L.zero_copy) && chunk > 0) continue;  // zero copy: the payload is in place
         int lid = -1, slot = -1;
         float lw = 0.f;
         if (valid && lane < k) {
@@ -400,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
           else slot = s_base[lid] + idx;
         }
         const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
-        if (n == 0) continue;
+        if (n == 0 || L.zero_copy) continue;
         const int64_t lo = chunk * p.chunk_bytes;
         const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
         if (lane < n) dst[lane] += lo;

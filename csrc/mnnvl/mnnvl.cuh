@@ -49,6 +49,7 @@ struct Layout {
   int64_t group_flags_offset;
   int max_groups;
   int put;  // put mode (above); always 0 outside the NVSHMEM build
+  int zero_copy;  // standard layout: rows stay in dispatch half 0 of the buffer (protocol.h, kCfgZeroCopy)
   int64_t stage_offset, stage_combine_offset, stage_counts_offset;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped

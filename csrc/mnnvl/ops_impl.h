@@ -158,8 +158,10 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
     out_x = at::empty({L.num_local, N, r.x_width}, opts.dtype(r.x_type));
     out_s = r.scale_bytes ? at::empty({L.num_local, N, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
   } else {
-    out_x = at::empty({N, r.x_width}, opts.dtype(r.x_type));
-    out_s = r.scale_bytes ? at::empty({N, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
+    // zero copy: the rows stay in the receive buffer, which the host views (no output rows here)
+    const int64_t rows = L.zero_copy ? 0 : N;
+    out_x = at::empty({rows, r.x_width}, opts.dtype(r.x_type));
+    out_s = r.scale_bytes ? at::empty({rows, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
   }
   at::Tensor row_ids = at::empty({N, k}, opts.dtype(at::kInt));
   at::Tensor row_w = at::empty({N, k}, opts.dtype(at::kFloat));

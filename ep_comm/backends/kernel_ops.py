@@ -187,7 +187,8 @@ def _register_kernel_op_fakes(prefix: str) -> None:
             s_width = 0 if x_scales is None else x_scales.shape[1]
             s_dtype = torch.float32 if x_scales is None else x_scales.dtype
         has_scales = bool(cfg[kp.QUANT_FP8]) or x_scales is not None
-        lead = (local, n) if batched else (n,)
+        # zero copy (standard): the rows stay in the receive buffer, the op returns none
+        lead = (local, n) if batched else (0 if cfg[kp.ZERO_COPY] else n,)
         out_x = x.new_empty((*lead, x_width), dtype=x_dtype)
         out_s = x.new_empty((*lead, s_width) if has_scales else (0,), dtype=s_dtype)
         row_ids = x.new_empty((n, k), dtype=torch.int32)

@@ -18,7 +18,7 @@ from ..config import EPConfig
  PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
  COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
  OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, GROUP_FLAGS_OFFSET, COMBINE_GROUPED,
- PUT_MODE, STAGE_OFFSET, STAGE_COMBINE_OFFSET, STAGE_COUNTS_OFFSET, CFG_LEN) = range(36)
+ PUT_MODE, STAGE_OFFSET, STAGE_COMBINE_OFFSET, STAGE_COUNTS_OFFSET, ZERO_COPY, CFG_LEN) = range(37)
 
 # halves of a call (protocol.h, kPhase*): return_recv_hook launches them separately
 PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
@@ -189,6 +189,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[PUT_MODE] = int(layout.put_mode)
     v[STAGE_OFFSET], v[STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
+    v[ZERO_COPY] = int(cfg.zero_copy and cfg.layout == "standard")
     v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[PENDING_PTR] = pending_ptr
     v[COUNT_INVALID] = int(not cfg.validate_ids)

@@ -70,6 +70,8 @@ class MnnvlBackend:
         self._abort_op = getattr(ops, f"{self.ops_prefix}_abort")
         self.cfg_vec = kp.config_vector(ctx.cfg, ctx.rank, ctx.world_size, layout, num_blocks,
                                         self._mapped.device_ptr)
+        self.zero_copy = bool(self.cfg_vec[kp.ZERO_COPY])
+        self._zero_copy_views: dict = {}
         self._fatal: Optional[EPError] = None
         self._ids_checked = torch.cuda.Event()  # recorded after the last queued id check
         self._ids_check_queued = False
@@ -170,12 +172,28 @@ class MnnvlBackend:
             phases)
         has_scales = self.ctx.cfg.quant == "fp8" or x_scales is not None
         handle = KernelHandle(row_ids, row_w, row_slot, dest, (out_x, out_s, row_ids, row_w, row_slot, counts))
+        if self.zero_copy:  # the op returned no rows: they stay in the buffer (kCfgZeroCopy)
+            out_x = self._rows_in_buffer(self.layout.meta_bytes, out_x)
+            out_s = self._rows_in_buffer(self.layout.scale_offset, out_s) if has_scales else out_s
         scales = out_s if has_scales else None
         if self.ctx.cfg.layout == "batched":
             return Dispatched(layout="batched", x=out_x, x_scales=scales, expert_num_tokens=counts,
                               num_tokens=x.shape[0], epoch=epoch, handle=handle)
         return Dispatched(layout="standard", x=out_x, x_scales=scales, topk_ids=row_ids, topk_weights=row_w,
                           num_tokens=x.shape[0], epoch=epoch, handle=handle)
+
+    def _rows_in_buffer(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """``[world * max_tokens, width]`` of ``like``'s dtype and width: the field at byte ``offset`` of
+        every row of dispatch half 0, a row-strided view of this rank's buffer (made once per field)."""
+        key = (offset, like.dtype, like.shape[-1])
+        view = self._zero_copy_views.get(key)
+        if view is None:
+            lay, n = self.layout, self.ctx.world_size * self.ctx.cfg.max_tokens_per_rank
+            start = lay.dispatch_offset[0]
+            rows = self.buffer.local[start: start + n * lay.row_stride].view(n, lay.row_stride)
+            nbytes = like.shape[-1] * like.element_size()
+            view = self._zero_copy_views[key] = rows[:, offset: offset + nbytes].view(like.dtype)
+        return view
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
         target = _contiguous_target(out)

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
                    help="EPConfig.validate_ids: off skips the host check (one sync) of expert ids in eager "
                         "dispatch; out-of-range ids then travel as -1 and a later call raises (default: on)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="EPConfig.zero_copy for the standard layout's rows: the kernel backends return the received "
+                        "rows as views of their buffer instead of copying them out (batched rows ignore it)")
     p.add_argument("--eager-launch", choices=("queued", "idle"), default="queued",
                    help="eager mode on GPUs: queued (default) issues each call while the GPU is still busy, as an "
                         "engine's stream is and as graph replays are timed, so p50 is device time and host_us the "

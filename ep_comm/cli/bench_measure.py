@@ -37,7 +37,8 @@ def bench_config(args: argparse.Namespace, tokens: int, layout: str, backend: st
     q = (None if args.quant == "none" else args.quant) if quant == "args" else quant
     return EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=tokens,
                     dtype=DTYPES[args.dtype], layout=layout, backend=backend, quant=q, timeout_s=args.op_timeout,
-                    validate_ids=getattr(args, "validate_ids", "on") != "off")
+                    validate_ids=getattr(args, "validate_ids", "on") != "off",
+                    zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard")
 
 
 # -- timed inputs ------------------------------------------------------------------------------------------

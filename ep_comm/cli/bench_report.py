@@ -87,6 +87,7 @@ class Reporter:
                 "git_dirty": dirty, "device_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
                 "validate_ids": getattr(args, "validate_ids", "on"), "recv_hook": recv_hook,
+                "zero_copy": bool(getattr(args, "zero_copy", False)),
                 # how eager calls were issued to the GPU (None: graph mode, or CPU ranks, where it means nothing)
                 "eager_launch": (getattr(args, "eager_launch", "queued")
                                  if args.mode == "eager" and env.device.type == "cuda" else None),

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=4, help="experts per token (default: 4)")
     p.add_argument("--max-tokens", type=int, default=32, help="max tokens per rank (default: 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed)")
     p.add_argument("--keep-going", action="store_true", help="run every iteration even after a mismatch")
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: one wrong combine
     # tests: the last rank raises a plain Python exception between a dispatch and its combine
@@ -147,7 +149,8 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
             for quant in quants:
                 cfg = EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
                                max_tokens_per_rank=args.max_tokens, dtype=DTYPES[args.dtype], layout=layout,
-                               backend=name, quant=quant, timeout_s=args.op_timeout)
+                               backend=name, quant=quant, timeout_s=args.op_timeout,
+                               zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard")
                 try:
                     comm = Communicator(cfg)  # a refusal is raised alike on every rank
                 except EPTopologyError as exc:

@@ -110,14 +110,16 @@ def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: di
 
 
 def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"), repeats: int = 1,
-                   hooks: bool = False) -> dict:
+                   hooks: bool = False, **cfg_kw) -> dict:
+    """Every payload x scenario through one communicator per (backend, layout, payload); ``cfg_kw``:
+    make_cfg overrides."""
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
     seed = 1000
     for backend, layout, payload in itertools.product(backends, layouts, PAYLOADS):
         quant = PAYLOADS[payload][0]
-        cfg = make_cfg(world, backend, layout, quant)
+        cfg = make_cfg(world, backend, layout, quant, **cfg_kw)
         with ep_comm.Communicator(cfg, device=device) as comm:
             if comm.backend != backend:
                 results[f"{backend}/{layout}/{payload}"] = [f"resolved backend {comm.backend}"]
@@ -194,6 +196,43 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
                     problems.append(f"unexpected check_errors message: {exc}")
         results[key] = problems
     return results
+
+
+# -- zero copy (standard layout): the rows are views of the receive buffer -------------------------------
+def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
+    """The standard matrix with ``zero_copy=True`` (repeated: every call reuses the one half of the
+    buffer), then: the returned rows are views of this rank's buffer, and a second dispatch before the
+    combine of the first is refused on every rank."""
+    results = backend_matrix(backends, ("standard",), 2, hooks, zero_copy=True)
+    topo, device = init_rank()
+    world, rank = topo.world_size, topo.rank
+    for backend in backends:
+        problems: list[str] = []
+        cfg = make_cfg(world, backend, "standard", "fp8", zero_copy=True)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            mine = oracle.random_inputs(cfg, world, 5)[rank].to(comm.device)
+            d = dispatch(comm, hooks, mine.x, mine.topk_ids, mine.topk_weights)
+            buf = comm._impl.buffer.local
+            lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+            for name, t in (("x", d.x), ("x_scales", d.x_scales)):
+                if not lo <= t.data_ptr() < hi:
+                    problems.append(f"{name} is not a view of the receive buffer")
+            if d.x.shape != (world * cfg.max_tokens_per_rank, cfg.hidden) or d.x.stride(1) != 1:
+                problems.append(f"x shape {tuple(d.x.shape)} stride {d.x.stride()}")
+            try:
+                dispatch(comm, hooks, mine.x, mine.topk_ids, mine.topk_weights)
+                problems.append("a dispatch before the combine of the previous one was not refused")
+            except ep_comm.EPError as exc:
+                if "zero_copy" not in str(exc):
+                    problems.append(f"unexpected refusal: {exc}")
+            torch.cuda.synchronize()
+        results[f"{backend}/standard/zero_copy_views"] = problems
+    return results
+
+
+def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False) -> dict:
+    """``graph_capture`` of the standard layout with ``zero_copy=True``: replays read the rows in place."""
+    return graph_capture(backends, ("standard",), 3, hooks, zero_copy=True)
 
 
 # -- the device-side (op, epoch) headers, forced on outside a CUDA graph -----------------------------------

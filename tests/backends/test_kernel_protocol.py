@@ -37,13 +37,21 @@ def test_config_indices_match_the_header():
              for n in ("RANK", "WORLD", "MAX_TOKENS", "NUM_EXPERTS", "NUM_LOCAL", "TOP_K", "HIDDEN", "BATCHED",
                        "NUM_BLOCKS", "ROW_STRIDE", "PAYLOAD_OFFSET", "SCALE_OFFSET", "PAYLOAD_MAX", "SCALE_MAX",
                        "FLAGS_OFFSET", "TIMEOUT_NS", "PENDING_PTR", "COUNT_INVALID", "QUANT_FP8", "OUT_DTYPE",
-                       "THREADS", "COMBINE_STRIDE", "TRACE_PTR", "GROUP_FLAGS_OFFSET", "COMBINE_GROUPED")}
+                       "THREADS", "COMBINE_STRIDE", "TRACE_PTR", "GROUP_FLAGS_OFFSET", "COMBINE_GROUPED",
+                       "PUT_MODE", "STAGE_OFFSET", "STAGE_COMBINE_OFFSET", "STAGE_COUNTS_OFFSET", "ZERO_COPY")}
     names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
     names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
     names["kCfgCountsOffset0"], names["kCfgCountsOffset1"] = kp.COUNTS_OFFSET0, kp.COUNTS_OFFSET1
     names["kCfgLen"] = kp.CFG_LEN
     names["kCfgTopK"] = kp.TOP_K
     assert {n: cfg[n] for n in names} == names
+
+
+def test_zero_copy_reaches_the_kernels_for_the_standard_layout():
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16)
+    lay = kp.BufferLayout.for_config(cfg, 2)
+    assert kp.config_vector(cfg, 0, 2, lay, 24, 0)[kp.ZERO_COPY] == 0
+    assert kp.config_vector(cfg.replace(zero_copy=True), 0, 2, lay, 24, 0)[kp.ZERO_COPY] == 1
 
 
 def test_group_constants_match_the_header():

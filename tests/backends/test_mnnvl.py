@@ -77,6 +77,26 @@ def test_recv_hooks_under_cuda_graphs(case):
     _assert_clean(case, "hooks_graph", cases.graph_capture, ("mnnvl",), ("standard", "batched"), 3, True)
 
 
+# -- zero copy (standard layout): rows are views of the receive buffer ----------------------------------------
+ZERO_COPY = [f"mnnvl/standard/{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
+ZERO_COPY += ["mnnvl/standard/zero_copy_views"]
+
+
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_matches_oracle(case):
+    _assert_clean(case, "zero_copy", cases.zero_copy_matrix, ("mnnvl",))
+
+
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_recv_hooks_match_oracle(case):
+    _assert_clean(case, "zero_copy_hooks", cases.zero_copy_matrix, ("mnnvl",), True)
+
+
+@pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
+def test_zero_copy_under_cuda_graphs(case):
+    _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("mnnvl",))
+
+
 def hook_misuse_worker() -> list[str]:
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank

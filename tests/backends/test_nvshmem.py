@@ -93,6 +93,20 @@ def test_put_mode_cuda_graphs(case):
     _assert_clean(case, "put_graph", cases.graph_capture, ("nvshmem",), env=PUT)
 
 
+ZERO_COPY = [f"nvshmem/standard/{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
+ZERO_COPY += ["nvshmem/standard/zero_copy_views"]
+
+
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_matches_oracle(case):
+    _assert_clean(case, "zero_copy", cases.zero_copy_matrix, ("nvshmem",))
+
+
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_put_mode_matches_oracle(case):
+    _assert_clean(case, "zero_copy_put", cases.zero_copy_matrix, ("nvshmem",), env=PUT)
+
+
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
     timeout_s = 3.0
     results = _spawn(skip_worker, timeout_s, "nvshmem", timeout_s=120)
