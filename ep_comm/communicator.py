@@ -340,8 +340,7 @@ class Communicator:
                                                      abandon_on_invalid=validate)
         else:
             out = self._impl.dispatch(x, topk_ids, topk_weights, x_scales, self._epoch, abandon_on_invalid=validate)
-        if getattr(self._impl, "zero_copy", False):
-            self._uncombined = self._epoch
+        epoch = self._epoch
         self._epoch += 1
         if validate and not self._impl.id_check_passed():
             error = self._invalid_ids_error(topk_ids)
@@ -350,6 +349,10 @@ class Communicator:
         out.owner = self
         if earlier_drops:
             self._impl.check_errors()
+        # zero copy: the rows handed out now are read until this rank's combine of them (eager calls:
+        # a failed capture must not leave a call behind that never ran; replays are the user's order)
+        if host_checks and getattr(self._impl, "zero_copy", False):
+            self._uncombined = epoch
         return (out, self._new_hook(receive, "dispatch")) if hook else out
 
     def _combine_kernel(self, expert_out, dispatched, out, hook: bool = False):

@@ -260,6 +260,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       stamp(L, kTraceCombine, kTrSignalled);
       if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
     }
+    // a rank without tokens waited for no group above: it still ends only once every peer has sent
+    // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
+    // next call's flags could overwrite a slot a slow peer has not read yet
+    if (p.num_tokens == 0 && blockIdx.x == 0)
+      for (int i = threadIdx.x; i < L.world; i += blockDim.x)
+        if (i != L.rank) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
     stamp(L, kTraceCombine, kTrEnd, true);
     return;
   }
