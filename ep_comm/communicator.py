@@ -317,7 +317,12 @@ class Communicator:
     # -- kernel backends: no host agreement, errors travel through the device --------------------------
     def _dispatch_kernel(self, x, topk_ids, topk_weights, x_scales, hook: bool = False):
         self._check_no_pending_hook()
-        host_checks = not self._capturing() and not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        if compiling and getattr(self._impl, "zero_copy", False):
+            # nothing in a traced graph orders the reads of the buffer's rows after the op that fills them
+            raise EPConfigError("zero_copy", True, "its rows are views of the receive buffer, which a torch.compile "
+                                "graph cannot order after the dispatch; use eager calls or CUDA graphs")
+        host_checks = not self._capturing() and not compiling
         earlier_drops = host_checks and self._before_kernel_call()
         try:
             if self._uncombined is not None:

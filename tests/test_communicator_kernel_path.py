@@ -158,6 +158,12 @@ def kernel_path_worker() -> dict:
     with ep_comm.Communicator(zc) as comm:  # a second dispatch would overwrite the rows still in use
         comm.dispatch(x, ids, w)
         out["zero copy, uncombined"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
+    with ep_comm.Communicator(zc) as comm:  # a traced graph could not order reads of the views
+        real, torch.compiler.is_compiling = torch.compiler.is_compiling, lambda: True
+        try:
+            out["zero copy, compiling"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
+        finally:
+            torch.compiler.is_compiling = real
     return out
 
 
@@ -191,3 +197,5 @@ def test_kernel_path_orders_validation_launch_and_hooks():
     assert res["zero copy, next dispatch"] == (["check_inputs", "dispatch abandon_on_invalid=False"], "")
     calls, raised = res["zero copy, uncombined"]
     assert calls == ["abort"] and raised.startswith("EPError") and "zero_copy: dispatch 0" in raised, (calls, raised)
+    calls, raised = res["zero copy, compiling"]
+    assert calls == [] and raised.startswith("EPConfigError") and "torch.compile" in raised, (calls, raised)

@@ -128,12 +128,14 @@ class BufferLayout:
         counts = _align(world * (cfg.num_experts // world) * 4, 256)
         dispatch = world * max_t * row_stride
         combine = world * max_t * combine_stride
+        # zero copy keeps every call's rows in dispatch half 0 (kCfgZeroCopy): no second dispatch region
+        one_half = cfg.zero_copy and cfg.layout == "standard"
         n0 = flags + group_flags
         n1 = n0 + counts
         d0 = n1 + counts
         c0 = d0 + dispatch
-        d1 = c0 + combine
-        c1 = d1 + dispatch
+        d1 = d0 if one_half else c0 + combine
+        c1 = c0 + combine if one_half else d1 + dispatch
         end = c1 + combine
         stages = (end, end + dispatch, end + dispatch + combine) if put_mode else (0, 0, 0)
         if put_mode:

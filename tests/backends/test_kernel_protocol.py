@@ -117,17 +117,23 @@ def test_status_and_state_layout_match_the_header():
     assert "kThreads = %d;" % kp.THREADS_PER_BLOCK in cuh and "kMaxLocalExperts = %d;" % kp.MAX_LOCAL_EXPERTS in cuh
 
 
-@pytest.mark.parametrize("world,layout,dtype", [(2, "standard", torch.bfloat16), (8, "batched", torch.float32),
-                                                (3, "batched", torch.float16)])
-def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype):
+@pytest.mark.parametrize("world,layout,dtype,zero_copy", [
+    (2, "standard", torch.bfloat16, False), (8, "batched", torch.float32, False), (3, "batched", torch.float16, False),
+    (4, "standard", torch.bfloat16, True)])
+def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype, zero_copy):
     cfg = ep_comm.EPConfig(num_experts=12 * world, top_k=6, hidden=7168, max_tokens_per_rank=37, dtype=dtype,
-                           layout=layout)
+                           layout=layout, zero_copy=zero_copy)
     lay = kp.BufferLayout.for_config(cfg, world)
     spans = [(lay.flags_offset, 2 * world * 8), (lay.group_flags_offset, 2 * world * lay.max_groups * 8)]
     assert lay.max_groups == -(-37 // kp.GROUP_TOKENS)
+    dispatch = world * 37 * lay.row_stride
+    if zero_copy:  # one dispatch region: every call's rows stay in half 0
+        assert lay.dispatch_offset[0] == lay.dispatch_offset[1]
+        assert lay.nbytes == kp.BufferLayout.for_config(cfg.replace(zero_copy=False), world).nbytes - dispatch
     for p in (0, 1):
         spans.append((lay.counts_offset[p], world * 12 * 4))
-        spans.append((lay.dispatch_offset[p], world * 37 * lay.row_stride))
+        if p == 0 or not zero_copy:
+            spans.append((lay.dispatch_offset[p], dispatch))
         spans.append((lay.combine_offset[p], world * 37 * lay.combine_stride))
     spans.sort()
     for (a, na), (b, _) in zip(spans, spans[1:]):
