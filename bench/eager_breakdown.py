@@ -29,14 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ep_comm  # noqa: E402
 from ep_comm import communicator as comm_mod  # noqa: E402
 from ep_comm import oracle  # noqa: E402
-from ep_comm.backends import gathered  # noqa: E402
+from ep_comm.backends import gathered, invalid_ids  # noqa: E402
 from ep_comm.cli.launcher import _SPAWNED_ENV, gather_objects, host_barrier, setup_rank  # noqa: E402
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
 
 PIECES_MODULE = {  # module attribute -> label
     (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
-    (comm_mod, "check_ids"): "id check: naming the token", (gathered.InvalidIdReport, "drop"): "id check (dropped and counted)",
-    (gathered.InvalidIdReport, "invalid_ranks"): "id check (reads every rank's count)",
+    (comm_mod, "check_ids"): "id check: naming the token", (invalid_ids.InvalidIdReport, "drop"): "id check (dropped and counted)",
+    (invalid_ids.InvalidIdReport, "invalid_ranks"): "id check (reads every rank's count)",
     (comm_mod, "sanitize_routing"): "routing guard", (gathered, "merge_duplicates"): "routing guard",
     (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
     (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends as _backends
-from .backends import gathered as _gathered
+from .backends import invalid_ids as _invalid_ids
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
 from .distributed.control import OP_COMBINE, OP_DISPATCH, OP_NAMES, ControlPlane
@@ -80,7 +80,7 @@ class Communicator:
         self._kernel = bool(getattr(self._impl, "kernel", False))
         self._dropped_ids = None if self._kernel else DroppedIds(self._error_flags, cfg.num_experts)
         self._invalid_ids = (None if self._kernel
-                             else _gathered.InvalidIdReport(self.world_size, cfg.num_experts, self.device))
+                             else _invalid_ids.InvalidIdReport(self.world_size, cfg.num_experts, self.device))
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._uncombined: Optional[int] = None  # zero_copy: the dispatch whose rows are still in use

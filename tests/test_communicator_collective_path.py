@@ -14,7 +14,7 @@ import torch
 
 import ep_comm
 from ep_comm import oracle
-from ep_comm.backends import gathered
+from ep_comm.backends import gathered, invalid_ids
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -32,8 +32,8 @@ def _record(comm, log: list[str], fail_pack: dict) -> None:
             return fn(*a, **k)
         setattr(owner, name, logged)
 
-    wrap(gathered.InvalidIdReport, "drop")
-    wrap(gathered.InvalidIdReport, "invalid_ranks")
+    wrap(invalid_ids.InvalidIdReport, "drop")
+    wrap(invalid_ids.InvalidIdReport, "invalid_ranks")
     wrap(gathered, "pack", fail=fail_pack)
     wrap(comm.control, "agree_start", "agree")
     wrap(comm._impl, "gather")

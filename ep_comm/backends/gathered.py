@@ -22,13 +22,12 @@ import torch
 from ..distributed.control import OP_COMBINE, OP_DISPATCH
 from ..errors import EPError
 from ..layouts import Dispatched
-from ..routing import drop_invalid_ids
 from . import kernel_ops, select_kernel
 from .base import FLAG_EPOCH_MISMATCH, FLAG_TOKEN_OVERFLOW, Availability, BackendContext, RoutedBatch
 
 MAGIC = 0x45504331  # "EPC1"
 HEADER_INTS = 8
-HEADER_INVALID_IDS = 5  # header word: out-of-range ids this rank sent as -1 (eager validate_ids)
+HEADER_INVALID_IDS = 5  # header word: out-of-range ids this rank sent as -1 (invalid_ids.InvalidIdReport)
 ALIGN = 16
 
 
@@ -82,9 +81,9 @@ class CollectiveBackend:
         return PreparedDispatch(mine, send, checks, invalid_ids is not None)
 
     def dispatch(self, batch: RoutedBatch, prepared: Optional["PreparedDispatch"] = None,
-                 report: Optional["InvalidIdReport"] = None) -> Dispatched:
-        """The exchange half.  ``report``: collects every rank's count of invalid ids from the gathered
-        headers (the buffers must have been packed with ``invalid_ids``)."""
+                 report=None) -> Dispatched:
+        """The exchange half.  ``report``: an ``invalid_ids.InvalidIdReport`` that collects every rank's
+        count of invalid ids from the gathered headers (the buffers must have been packed with them)."""
         ctx = self.ctx
         if prepared is None:
             prepared = self.prepare_dispatch(batch, eager=batch.peer_tokens is not None)
@@ -147,53 +146,6 @@ def _earlier(k: int, device: torch.device) -> torch.Tensor:
     if earlier is None:
         earlier = _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=device).tril(diagonal=-1)
     return earlier
-
-
-class InvalidIdReport:
-    """``validate_ids`` on the collective backends' eager path, one per communicator.
-
-    The caller's out-of-range ids are sent as -1 and counted on the device (``drop``); the count rides
-    in the packed buffer's header (``HEADER_INVALID_IDS``), so after the gather every rank holds every
-    rank's count without another exchange.  ``collect`` copies them to a pinned buffer kept for every
-    call and ``invalid_ranks`` reads them once the whole dispatch is queued: the host waits for the
-    device at the end of the call, never in the middle of it with the device idle (docs/design.md §10).
-    """
-
-    def __init__(self, world: int, num_experts: int, device: torch.device):
-        self.num_experts = num_experts
-        cuda = device.type == "cuda"
-        self._host = torch.empty(world, dtype=torch.int32, pin_memory=True) if cuda else None
-        self._copied = torch.cuda.Event() if cuda else None
-        self._counts: Optional[torch.Tensor] = None
-        self._pending = False  # a copy whose answer was never read (the call failed in between)
-
-    def drop(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, count)``: ``topk_ids`` with out-of-range ids as -1, and a 0-d device count of them for
-        ``pack``'s header.  No host synchronisation."""
-        if self._pending:  # the pinned buffer is reused: an earlier copy must land before it is overwritten
-            self._copied.synchronize()
-            self._pending = False
-        self._counts = None
-        return drop_invalid_ids(topk_ids, self.num_experts)
-
-    def collect(self, headers: torch.Tensor) -> None:
-        """Queue the copy of every rank's count (``headers [world, HEADER_INTS]`` of the gathered buffers)."""
-        counts = headers[:, HEADER_INVALID_IDS]
-        if self._host is None:
-            self._counts = counts.clone()
-            return
-        self._host.copy_(counts, non_blocking=True)
-        self._copied.record()
-        self._counts, self._pending = self._host, True
-
-    def invalid_ranks(self) -> list[int]:
-        """Ranks that sent out-of-range ids in this call (waits for the device to reach the copy)."""
-        if self._counts is None:
-            raise EPError("invalid_ranks() before the gathered counts were collected")
-        if self._pending:
-            self._copied.synchronize()
-            self._pending = False
-        return [r for r, n in enumerate(self._counts.tolist()) if n]
 
 
 def device_checks(ctx: BackendContext) -> bool:
@@ -282,7 +234,8 @@ def pack(batch: RoutedBatch, layout: PackLayout, out: torch.Tensor,
     """Write ``batch`` into the uint8 buffer ``out [layout.nbytes]``; slots past T are padding (ids -1).
 
     ``header``: ``(op, rank)`` to stamp the (op, epoch, T) header (see ``device_checks``), or None.
-    ``invalid_ids``: a 0-d device count for the header's ``HEADER_INVALID_IDS`` word (``InvalidIdReport``).
+    ``invalid_ids``: a 0-d device count for the header's ``HEADER_INVALID_IDS`` word
+    (``invalid_ids.InvalidIdReport``).
     """
     t, rows, k = batch.num_tokens, layout.rows, layout.top_k
     if header is not None:

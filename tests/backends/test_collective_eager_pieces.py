@@ -7,7 +7,8 @@ import torch
 from ep_comm.backends import RoutedBatch
 from ep_comm import EPConfig
 from ep_comm.errors import EPError
-from ep_comm.backends.gathered import Gathered, InvalidIdReport, layout_for, pack, select_local, unpack
+from ep_comm.backends.gathered import Gathered, layout_for, pack, select_local, unpack
+from ep_comm.backends.invalid_ids import InvalidIdReport
 from ep_comm.routing import sanitize_routing
 
 
