@@ -129,7 +129,7 @@ class BufferLayout:
         dispatch = world * max_t * row_stride
         combine = world * max_t * combine_stride
         # zero copy keeps every call's rows in dispatch half 0 (kCfgZeroCopy): no second dispatch region
-        one_half = cfg.zero_copy and cfg.layout == "standard"
+        one_half = cfg.zero_copy
         n0 = flags + group_flags
         n1 = n0 + counts
         d0 = n1 + counts
@@ -191,7 +191,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[PUT_MODE] = int(layout.put_mode)
     v[STAGE_OFFSET], v[STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
-    v[ZERO_COPY] = int(cfg.zero_copy and cfg.layout == "standard")
+    v[ZERO_COPY] = int(cfg.zero_copy)
     v[TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[PENDING_PTR] = pending_ptr
     v[COUNT_INVALID] = int(not cfg.validate_ids)

@@ -201,6 +201,12 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
 
 
 # -- zero copy (standard layout): the rows are views of the receive buffer -------------------------------
+def zero_copy_case_names(backend: str) -> list[str]:
+    """The keys ``zero_copy_matrix`` reports for ``backend``: the standard matrix and the views check."""
+    return [f"{backend}/standard/{p}/{s}" for p in PAYLOADS for s in scenarios(2, 16)] + \
+        [f"{backend}/standard/zero_copy_views"]
+
+
 def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
     """The standard matrix with ``zero_copy=True`` (repeated: every call reuses the one half of the
     buffer), then: the returned rows are views of this rank's buffer, and a second dispatch before the

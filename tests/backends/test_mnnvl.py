@@ -78,8 +78,7 @@ def test_recv_hooks_under_cuda_graphs(case):
 
 
 # -- zero copy (standard layout): rows are views of the receive buffer ----------------------------------------
-ZERO_COPY = [f"mnnvl/standard/{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
-ZERO_COPY += ["mnnvl/standard/zero_copy_views"]
+ZERO_COPY = cases.zero_copy_case_names("mnnvl")
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)

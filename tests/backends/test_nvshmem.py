@@ -93,8 +93,7 @@ def test_put_mode_cuda_graphs(case):
     _assert_clean(case, "put_graph", cases.graph_capture, ("nvshmem",), env=PUT)
 
 
-ZERO_COPY = [f"nvshmem/standard/{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
-ZERO_COPY += ["nvshmem/standard/zero_copy_views"]
+ZERO_COPY = cases.zero_copy_case_names("nvshmem")
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
