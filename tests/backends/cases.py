@@ -254,6 +254,21 @@ def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
     return results
 
 
+WIDE_HIDDEN = 2048  # 4 KB bf16 rows: the kernels split a row into several pieces sent by different warps
+
+
+def wide_rows_case_names(backend: str) -> list[str]:
+    """The keys ``wide_rows_matrix`` reports for ``backend``."""
+    return [f"wide/{backend}/standard/{p}/{s}" for p in PAYLOADS for s in scenarios(2, 16)]
+
+
+def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool = True) -> dict:
+    """The standard matrix with rows wide enough to go in several pieces (hidden = WIDE_HIDDEN; the
+    other cases' 512-byte rows go whole), keyed ``wide/...``."""
+    res = backend_matrix(backends, ("standard",), 1, hooks, zero_copy=zero_copy, hidden=WIDE_HIDDEN)
+    return {f"wide/{k}": v for k, v in res.items()}
+
+
 def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False) -> dict:
     """``graph_capture`` of the standard layout with ``zero_copy=True``: replays read the rows in place."""
     return graph_capture(backends, ("standard",), 3, hooks, zero_copy=True)

@@ -96,6 +96,21 @@ def test_zero_copy_under_cuda_graphs(case):
     _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("mnnvl",))
 
 
+@pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
+def test_zero_copy_recv_hooks_under_cuda_graphs(case):
+    _assert_clean(case, "zero_copy_hooks_graph", cases.zero_copy_graphs, ("mnnvl",), True)
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+def test_zero_copy_rows_in_several_pieces_match_oracle(case):
+    _assert_clean(case, "zero_copy_wide", cases.wide_rows_matrix, ("mnnvl",))
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+def test_zero_copy_rows_in_several_pieces_with_recv_hooks(case):
+    _assert_clean(case, "zero_copy_wide_hooks", cases.wide_rows_matrix, ("mnnvl",), True)
+
+
 def hook_misuse_worker() -> list[str]:
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank

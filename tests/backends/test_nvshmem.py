@@ -106,6 +106,31 @@ def test_zero_copy_put_mode_matches_oracle(case):
     _assert_clean(case, "zero_copy_put", cases.zero_copy_matrix, ("nvshmem",), env=PUT)
 
 
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_recv_hooks_match_oracle(case):
+    _assert_clean(case, "zero_copy_hooks", cases.zero_copy_matrix, ("nvshmem",), True)
+
+
+@pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
+def test_zero_copy_under_cuda_graphs(case):
+    _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("nvshmem",))
+
+
+@pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
+def test_zero_copy_recv_hooks_under_cuda_graphs_in_put_mode(case):
+    _assert_clean(case, "zero_copy_hooks_graph_put", cases.zero_copy_graphs, ("nvshmem",), True, env=PUT)
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+def test_zero_copy_rows_in_several_pieces_match_oracle(case):
+    _assert_clean(case, "zero_copy_wide", cases.wide_rows_matrix, ("nvshmem",))
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+def test_zero_copy_rows_in_several_pieces_in_put_mode(case):
+    _assert_clean(case, "zero_copy_wide_put", cases.wide_rows_matrix, ("nvshmem",), env=PUT)
+
+
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
     timeout_s = 3.0
     results = _spawn(skip_worker, timeout_s, "nvshmem", timeout_s=120)
