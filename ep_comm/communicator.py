@@ -219,6 +219,26 @@ class Communicator:
         out.owner = self
         return out
 
+    def expert_output_buffer(self, dispatched: Dispatched) -> torch.Tensor:
+        """Where the experts should write the ``expert_out`` of ``dispatched`` for ``combine``.
+
+        With ``zero_copy=True`` on the kernel backends (peers reached over NVLink), combine reads every
+        rank's expert outputs in place, the peers' ones included: this returns that region of the
+        communicator's buffer, ``[N, hidden]`` of ``cfg.dtype`` (standard layout), the same tensor on
+        every call.  Pass it to ``combine`` once written and combine copies nothing; any other
+        ``expert_out`` is first copied there.  Write it only after this rank's previous ``combine``
+        (stream order); it must not be changed until this ``combine`` has run.  Elsewhere this is a new
+        tensor of ``expert_out``'s shape and ``cfg.dtype``, so the same code runs on every backend.
+        """
+        self._check_open()
+        if not isinstance(dispatched, Dispatched) or dispatched.owner is not self:
+            raise EPInputError("expert_output_buffer: `dispatched` must be the result of this communicator's dispatch")
+        rows = getattr(self._impl, "expert_output_buffer", lambda d: None)(dispatched)
+        if rows is not None:
+            return rows
+        shape = (tuple(dispatched.x.shape[:2]) if dispatched.layout == "batched" else (dispatched.x.shape[0],))
+        return torch.empty(*shape, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None,
                 return_recv_hook: bool = False) -> torch.Tensor:
         """Bring expert outputs back to the tokens' ranks and reduce them (float32 accumulation).

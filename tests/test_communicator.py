@@ -372,3 +372,38 @@ def test_ranks_with_different_settings_are_refused_on_every_rank(what):
     for rank, (kind, msg) in enumerate(results):
         assert kind == "EPConfigError", (rank, kind, msg)
         assert msg.startswith(name) and "ranks 0, 2" in msg and "rank 1:" in msg, (rank, msg)
+
+
+def expert_output_buffer_worker(backend: str, layout: str, zero_copy: bool) -> list[str]:
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    cfg = _cfg(world, backend=backend, layout=layout, zero_copy=zero_copy)
+    problems: list[str] = []
+    with ep_comm.Communicator(cfg) as comm:
+        try:
+            comm.expert_output_buffer(object())
+            problems.append("a foreign `dispatched` was accepted")
+        except ep_comm.EPInputError:
+            pass
+        for seed in (3, 4):
+            inputs = oracle.random_inputs(cfg, world, seed)
+            d = comm.dispatch(inputs[rank].x, inputs[rank].topk_ids, inputs[rank].topk_weights)
+            buf = comm.expert_output_buffer(d)
+            expected_shape = tuple(d.x.shape[:2]) + (cfg.hidden,) if layout == "batched" else (d.x.shape[0], cfg.hidden)
+            if tuple(buf.shape) != expected_shape or buf.dtype != cfg.dtype:
+                problems.append(f"shape {tuple(buf.shape)} dtype {buf.dtype}, expected {expected_shape} {cfg.dtype}")
+                continue
+            buf.copy_(oracle.run_experts(cfg, rank, world, d))
+            y = comm.combine(buf, d)
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+    return problems
+
+
+@pytest.mark.parametrize("backend,layout,zero_copy", [("naive", "standard", False), ("ag_rs", "batched", False),
+                                                      ("ag_rs", "standard", True)])
+def test_expert_output_buffer_gives_every_backend_a_tensor_to_write_expert_outputs_into(backend, layout, zero_copy):
+    """Without a pulling combine it is a new tensor of expert_out's shape: the same engine code runs on
+    every backend (the kernel backends' in-place buffer is tested on GPUs)."""
+    for problems in raise_on_failure(spawn_local(expert_output_buffer_worker, 2, (backend, layout, zero_copy),
+                                                 timeout_s=120, extra_env=lambda r: CPU_ONLY)):
+        assert problems == [], "\n".join(problems)

@@ -90,6 +90,9 @@ enum : int {
   kCfgStageCountsOffset,   // put mode: [world][num_local] int32 counts staged per destination
   kCfgZeroCopy,            // 1 (standard layout): the output rows are the receive buffer's rows of
                            // dispatch half 0, where every call's rows go (the host views them)
+  kCfgCombinePullInput,    // 0: combine pushes partials to their owners; else (zero copy, standard layout,
+                           // peers reached by stores) this rank's address of its expert-output rows, the
+                           // start of combine half 0, which peers read in place (pull)
   kCfgLen
 };
 

@@ -118,7 +118,9 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
   }
 }
 
-// Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial.
+// Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial, read
+// from ``region`` (this rank's combine region, where peers pushed them) or, with ``region`` null (pull),
+// from each peer's own expert-output rows over NVLink.
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const Tin* eo, const uint8_t* region, int t,
                                                  int chunk, const Tin** src_rows, float* w, const Tout** parts,
@@ -131,8 +133,12 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
   const unsigned remote_mask = __ballot_sync(kFull, remote);
   const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
   if (remote) {
-    parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(
-        region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride);
+    // push: [d][t] of this rank's region; pull: [this rank][t] of d's expert rows (its combine half 0)
+    const uint8_t* row = region != nullptr
+                             ? region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride
+                             : peer_ptr(p.c, d) + L.combine_offset[0] +
+                                   (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride;
+    parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(row);
   }
   __syncwarp();
   const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t, src_rows,
@@ -233,6 +239,52 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   for (; next_sum < own_groups; next_sum += sum_stride) sum_group(next_sum);
 }
 
+// Pull combine (zero copy, standard layout, peers reached by stores): every rank's expert rows stay in
+// its combine half 0, where the host had the experts write them.  The call flag says "my rows are
+// readable" and goes out first; each rank then sums its tokens reading the owners' rows over NVLink
+// (one pass: no partials written to a peer and read back), and a second flag per call ("done
+// reading": group flag 0, unused without grouped sends) keeps every rank in the kernel until its
+// peers have read its rows, so that its next expert outputs cannot overwrite them under a reader.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* eo, uint64_t seq, uint32_t code,
+                                             int parity, uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                             float* w, const Tout** parts, int lane, int gwarp, int nwarps) {
+  const Layout& L = p.c.lay;
+  if ((p.phases & kPhaseSend) && blockIdx.x == 0) {
+    __threadfence_system();  // the rows earlier kernels wrote, before the flag that lets peers read them
+    signal_all(p.c, parity, code);
+    stamp(L, kTraceCombine, kTrSignalled);
+  }
+  if (!(p.phases & kPhaseReceive)) {  // send half of a hooked call: only the flag
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last && threadIdx.x == 0)  // every block has read seq
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < L.world; ++i) {
+      const int src = (L.rank + i) % L.world;
+      wait_flag(flag_slot(p.c, L.rank, parity, src), code, src, deadline, err);
+    }
+  }
+  __syncthreads();
+  stamp(L, kTraceCombine, kTrSource0);
+  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+    sum_output_piece<Tin, Tout>(p, eo, nullptr, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+                                src_rows, w, parts, lane);
+  stamp(L, kTraceCombine, kTrSent, true);
+  // every block's reads are summed and stored before it arrives, so the last one may release the peers
+  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+  if (!a.last) return;
+  for (int peer = threadIdx.x; peer < L.world; peer += blockDim.x)
+    if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
+  if (p.phases == kPhaseBoth && threadIdx.x == 0)
+    *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  for (int src = threadIdx.x; src < L.world; src += blockDim.x)
+    if (src != L.rank) wait_group_flag(p.c, parity, src, 0, code, deadline, err);
+  stamp(L, kTraceCombine, kTrArrived, true);
+}
+
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
@@ -250,6 +302,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
+  if (p.pull) {
+    combine_pull<Tin, Tout>(p, eo, seq, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, gwarp,
+                            nwarps);
+    stamp(L, kTraceCombine, kTrEnd);
+    return;
+  }
   if (p.grouped && L.world > 1 && p.phases == kPhaseBoth && !put_mode(L)) {  // (never grouped in put mode)
     combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
     stamp(L, kTraceCombine, kTrSent, true);

@@ -105,6 +105,7 @@ struct CombineParams {
   int grouped;         // signal and sum per group of kGroupTokens tokens (prefill sizes, both phases):
                        // 0 off, 1 interleaved in every block, n >= 2 split: n - 1 sending blocks
   int phases;          // kPhaseSend | kPhaseReceive (protocol.h)
+  int pull;            // expert_out is combine half 0 and peers read it in place (kCfgCombinePullInput)
   void* out;  // [T, hidden] of the transport dtype
 };
 

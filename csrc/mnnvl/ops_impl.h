@@ -210,6 +210,11 @@ inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_i
               "ep_comm: bad combine output");
   at::Tensor eo = aligned(expert_out);
   p.expert_out = eo.data_ptr();
+  p.pull = cfg[kCfgCombinePullInput] != 0;
+  // pull: peers read the rows at the address they were given, so the op must be handed exactly those
+  TORCH_CHECK(!p.pull || (reinterpret_cast<uintptr_t>(p.expert_out) == static_cast<uintptr_t>(cfg[kCfgCombinePullInput]) &&
+                          eo.scalar_type() == dtype_of(cfg[kCfgOutDtype]) && !p.c.lay.batched),
+              "ep_comm: a pulling combine reads its expert_out from the communicator's buffer");
   p.row_ids = row_ids.data_ptr<int32_t>();
   p.row_w = row_w.data_ptr<float>();
   p.row_slot = row_slot.numel() ? row_slot.data_ptr<int32_t>() : nullptr;
@@ -218,8 +223,9 @@ inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_i
   // split rows so that every warp of the grid has a piece (latency of small batches)
   const int64_t H = p.c.lay.hidden;
   const int64_t warps = cfg[kCfgNumBlocks] * kWarps;
-  // (rows sent to peers; the own rows are summed at the receive end)
-  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(std::max(1, p.c.lay.world - 1)) * p.c.lay.max_tokens);
+  // (push: rows sent to peers, the own rows are summed at the receive end; pull: own tokens' rows)
+  const int64_t rows = p.pull ? std::max<int64_t>(1, p.num_tokens)
+                              : std::max<int64_t>(1, static_cast<int64_t>(std::max(1, p.c.lay.world - 1)) * p.c.lay.max_tokens);
   int64_t chunks = H % 8 == 0 ? std::max<int64_t>(1, std::min<int64_t>((warps + rows - 1) / rows, (H + 255) / 256)) : 1;
   p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
   p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);

@@ -18,7 +18,8 @@ from ..config import EPConfig
  PAYLOAD_OFFSET, SCALE_OFFSET, PAYLOAD_MAX, SCALE_MAX, FLAGS_OFFSET, DISPATCH_OFFSET0, DISPATCH_OFFSET1,
  COMBINE_OFFSET0, COMBINE_OFFSET1, COMBINE_STRIDE, TIMEOUT_NS, PENDING_PTR, COUNT_INVALID, QUANT_FP8,
  OUT_DTYPE, THREADS, COUNTS_OFFSET0, COUNTS_OFFSET1, TRACE_PTR, GROUP_FLAGS_OFFSET, COMBINE_GROUPED,
- PUT_MODE, STAGE_OFFSET, STAGE_COMBINE_OFFSET, STAGE_COUNTS_OFFSET, ZERO_COPY, CFG_LEN) = range(37)
+ PUT_MODE, STAGE_OFFSET, STAGE_COMBINE_OFFSET, STAGE_COUNTS_OFFSET, ZERO_COPY, COMBINE_PULL_INPUT,
+ CFG_LEN) = range(38)
 
 # halves of a call (protocol.h, kPhase*): return_recv_hook launches them separately
 PHASE_SEND, PHASE_RECEIVE, PHASE_BOTH = 1, 2, 3
@@ -36,6 +37,8 @@ PHASE_ABANDON_ON_INVALID = 4
 # slower in every grouped mode, so they stay ungrouped.
 GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
+# "0": a zero-copy combine pushes partials as without zero copy (for measurements); default: it pulls
+COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
 
 # phase stamps (EP_COMM_TRACE=1): uint64 [2 ops][num_blocks][TRACE_SLOTS] globaltimer values
 TRACE_DISPATCH, TRACE_COMBINE, TRACE_SLOTS, TRACE_SOURCES = 0, 1, 24, 8
@@ -146,6 +149,17 @@ class BufferLayout:
     def work_numel(self, num_local: int) -> int:
         """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
         return self.world * num_local + self.max_tokens * (self.top_k + 1)
+
+
+def combine_pulls(cfg: EPConfig, layout: BufferLayout, forced: Optional[str]) -> bool:
+    """Whether combine reads the peers' expert rows in place (kCfgCombinePullInput): zero copy, peers
+    reached by stores (not put mode), and rows of exactly ``hidden`` elements so that the experts can
+    write a contiguous ``[N, hidden]`` view of them.  ``forced`` is $EP_COMM_COMBINE_PULL."""
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"${COMBINE_PULL_ENV}={forced!r}: expected 0 or 1")
+    possible = (cfg.zero_copy and not layout.put_mode
+                and layout.combine_stride == cfg.hidden * cfg.dtype.itemsize)
+    return possible and forced != "0"
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:

@@ -72,6 +72,21 @@ class MnnvlBackend:
                                         self._mapped.device_ptr)
         self.zero_copy = bool(self.cfg_vec[kp.ZERO_COPY])
         self._zero_copy_views: dict = {}
+        # zero copy: combine reads the peers' expert rows in place (one pass over NVLink, no partials
+        # written and read back); every rank must run the same protocol, so the ranks compare answers
+        pull = kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV))
+        if ctx.cfg.zero_copy:
+            answers = ctx.control.gather_objects(pull)
+            if len(set(answers)) != 1:
+                raise EPError(f"{self.name} backend: ranks disagree on pulling combines (${kp.COMBINE_PULL_ENV} set "
+                              f"on some ranks only?): {answers}")
+        self._expert_rows: Optional[torch.Tensor] = None
+        if pull:
+            lay, n, cfg = layout, ctx.world_size * ctx.cfg.max_tokens_per_rank, ctx.cfg
+            nbytes = n * cfg.hidden * cfg.dtype.itemsize
+            self._expert_rows = buffer.local[lay.combine_offset[0]: lay.combine_offset[0] + nbytes] \
+                .view(cfg.dtype).view(n, cfg.hidden)
+            self.cfg_vec[kp.COMBINE_PULL_INPUT] = self._expert_rows.data_ptr()
         self._fatal: Optional[EPError] = None
         self._ids_checked = torch.cuda.Event()  # recorded after the last queued id check
         self._ids_check_queued = False
@@ -195,6 +210,11 @@ class MnnvlBackend:
             view = self._zero_copy_views[key] = rows[:, offset: offset + nbytes].view(like.dtype)
         return view
 
+    def expert_output_buffer(self, dispatched: Dispatched) -> Optional[torch.Tensor]:
+        """Pulling combines: the ``[N, hidden]`` rows of this rank's buffer that combine reads (peers
+        over NVLink); experts that write their outputs there save combine a copy.  None otherwise."""
+        return self._expert_rows
+
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: torch.Tensor) -> torch.Tensor:
         target = _contiguous_target(out)
         self._combine_op(expert_out, dispatched, target, kp.PHASE_BOTH)
@@ -217,6 +237,11 @@ class MnnvlBackend:
 
     def _combine_op(self, expert_out: torch.Tensor, dispatched: Dispatched, target: torch.Tensor, phases: int) -> None:
         h: KernelHandle = dispatched.handle
+        rows = self._expert_rows
+        if rows is not None and phases & kp.PHASE_SEND and expert_out.data_ptr() != rows.data_ptr():
+            rows.copy_(expert_out)  # peers read the rows in place: they must be in the buffer (cast to dtype)
+        if rows is not None:
+            expert_out = rows
         self._combine_kernel_op(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
                                         self.peer_base, target, self.cfg_vec, phases)
 

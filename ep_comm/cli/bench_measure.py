@@ -254,12 +254,14 @@ def split_iters(args: argparse.Namespace) -> list[int]:
     return [args.iters // args.sets + (1 if s < args.iters % args.sets else 0) for s in range(args.sets)]
 
 
-def _expert_buffer(cache: dict, cfg: EPConfig, d: Dispatched, device: torch.device) -> torch.Tensor:
-    """A reusable expert-output tensor shaped for ``combine(·, d)`` (content does not affect timing)."""
+def _expert_buffer(cache: dict, cfg: EPConfig, comm: Communicator, d: Dispatched) -> torch.Tensor:
+    """The expert-output tensor for ``combine(·, d)``: ``comm.expert_output_buffer`` (where a pulling
+    combine reads in place, as an engine's experts would write it), kept per shape so that the other
+    backends reuse one tensor (content does not affect timing)."""
     shape = (d.x.shape[0], d.x.shape[1], cfg.hidden) if d.layout == "batched" else (d.x.shape[0], cfg.hidden)
     buf = cache.get(shape)
     if buf is None:
-        buf = cache[shape] = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        buf = cache[shape] = comm.expert_output_buffer(d).zero_()
     return buf
 
 
@@ -308,7 +310,7 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
     with phases("warmup"):
         for _ in range(args.warmup):
             d = comm.dispatch(sets[0].inp.x, sets[0].inp.topk_ids, sets[0].inp.topk_weights, sets[0].inp.x_scales)
-            comm.combine(_expert_buffer(cache, cfg, d, env.device), d)
+            comm.combine(_expert_buffer(cache, cfg, comm, d), d)
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
@@ -322,7 +324,7 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights, inp.x_scales)
         h1 = time.perf_counter()
         t1 = timer.stamp() if timed else None
-        expert_out = _expert_buffer(cache, cfg, d, env.device)
+        expert_out = _expert_buffer(cache, cfg, comm, d)
         if hide:
             align_devices(env, hide_launch=True)
         t2 = timer.stamp() if timed else None
@@ -399,14 +401,14 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
         y_ref = comm.combine(expert_outputs(cfg, env.rank, env.world_size, d), d).clone()
         for _ in range(args.warmup):
             d = comm.dispatch(x_s, ids_s, w_s)
-            comm.combine(_expert_buffer(cache, cfg, d, env.device), d)
+            comm.combine(_expert_buffer(cache, cfg, comm, d), d)
     with phases("capture"):
         host_barrier(env)
         g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread may query events of earlier eager work mid-capture
         with torch.cuda.graph(g_dispatch, capture_error_mode="thread_local"):
             d_s = comm.dispatch(x_s, ids_s, w_s)
-        eo_s = torch.zeros_like(_expert_buffer(cache, cfg, d_s, env.device))
+        eo_s = _expert_buffer(cache, cfg, comm, d_s)
         with torch.cuda.graph(g_combine, capture_error_mode="thread_local"):
             y_s = comm.combine(eo_s, d_s)
     with phases("replay_check"):
@@ -452,7 +454,7 @@ def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
         for _ in range(args.warmup):
             d = hooked_dispatch(comm, sets[0].inp.x, sets[0].inp.topk_ids, sets[0].inp.topk_weights,
                                 sets[0].inp.x_scales)
-            hooked_combine(comm, _expert_buffer(cache, cfg, d, env.device), d)
+            hooked_combine(comm, _expert_buffer(cache, cfg, comm, d), d)
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
     timer = Timer(env.device)
@@ -473,7 +475,7 @@ def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
             s.append(timer.stamp())
             d_hook()
             s.append(timer.stamp())
-            expert_out = _expert_buffer(cache, cfg, d, env.device)
+            expert_out = _expert_buffer(cache, cfg, comm, d)
             next_half()
             s.append(timer.stamp())
             _, c_hook = comm.combine(expert_out, d, return_recv_hook=True)
@@ -507,7 +509,7 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
         y_ref = hooked_combine(comm, expert_outputs(cfg, env.rank, env.world_size, d), d).clone()
         for _ in range(args.warmup):
             d = hooked_dispatch(comm, x_s, ids_s, w_s)
-            hooked_combine(comm, _expert_buffer(cache, cfg, d, env.device), d)
+            hooked_combine(comm, _expert_buffer(cache, cfg, comm, d), d)
     with phases("capture"):
         host_barrier(env)
         graphs = [torch.cuda.CUDAGraph() for _ in HALF_OPS]
@@ -517,7 +519,7 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
             d_s, d_hook = comm.dispatch(x_s, ids_s, w_s, return_recv_hook=True)
         with torch.cuda.graph(graphs[1], capture_error_mode="thread_local"):
             d_hook()
-        eo_s = torch.zeros_like(_expert_buffer(cache, cfg, d_s, env.device))
+        eo_s = _expert_buffer(cache, cfg, comm, d_s)
         with torch.cuda.graph(graphs[2], capture_error_mode="thread_local"):
             y_s, c_hook = comm.combine(eo_s, d_s, return_recv_hook=True)
         with torch.cuda.graph(graphs[3], capture_error_mode="thread_local"):

@@ -14,6 +14,7 @@ import torch
 
 import ep_comm
 from ep_comm import oracle
+from ep_comm.backends import kernel_protocol as kp
 
 HIDDEN = 256
 EXPERTS_PER_RANK = 3
@@ -250,8 +251,43 @@ def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
                     y = combine(comm, hooks, expert_out, d)
                     problems += [f"seed {seed} combine: {p}" for p in
                                  oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+            problems += _expert_output_buffer_problems(comm, cfg, world, rank, hooks)
         results[f"{backend}/standard/zero_copy_views"] = problems
     return results
+
+
+def zero_copy_matrix_pushing(backends=("mnnvl",)) -> dict:
+    """``zero_copy_matrix`` with ``$EP_COMM_COMBINE_PULL=0``: zero-copy rows, partials pushed."""
+    os.environ[kp.COMBINE_PULL_ENV] = "0"
+    return zero_copy_matrix(backends)
+
+
+def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool) -> list[str]:
+    """Experts that write into ``expert_output_buffer``: the same buffer every call (a view of the
+    communicator's buffer when combine pulls), combined in place, against the oracle."""
+    problems: list[str] = []
+    pulls = bool(comm._impl.cfg_vec[kp.COMBINE_PULL_INPUT]) if hasattr(comm._impl, "cfg_vec") else False
+    seen = []
+    for seed in (31, 32, 33):
+        inputs = oracle.random_inputs(cfg, world, seed)
+        mine = inputs[rank].to(comm.device)
+        d = dispatch(comm, hooks, mine.x, mine.topk_ids, mine.topk_weights)
+        buf = comm.expert_output_buffer(d)
+        seen.append(buf.data_ptr())
+        if tuple(buf.shape) != (d.x.shape[0], cfg.hidden) or buf.dtype != cfg.dtype or not buf.is_contiguous():
+            problems.append(f"expert_output_buffer: shape {tuple(buf.shape)} dtype {buf.dtype}")
+            continue
+        if pulls:
+            local = comm._impl.buffer.local
+            if not local.data_ptr() <= buf.data_ptr() < local.data_ptr() + local.numel():
+                problems.append("expert_output_buffer is not a view of the communicator's buffer")
+        buf.copy_(oracle.run_experts(cfg, rank, world, d))  # (as an expert kernel writing its output there)
+        y = combine(comm, hooks, buf, d)
+        problems += [f"seed {seed} combine from expert_output_buffer: {p}" for p in
+                     oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+    if pulls and len(set(seen)) != 1:
+        problems.append(f"expert_output_buffer moved between calls: {seen}")
+    return problems
 
 
 WIDE_HIDDEN = 2048  # 4 KB bf16 rows: the kernels split a row into several pieces sent by different warps

@@ -38,7 +38,8 @@ def test_config_indices_match_the_header():
                        "NUM_BLOCKS", "ROW_STRIDE", "PAYLOAD_OFFSET", "SCALE_OFFSET", "PAYLOAD_MAX", "SCALE_MAX",
                        "FLAGS_OFFSET", "TIMEOUT_NS", "PENDING_PTR", "COUNT_INVALID", "QUANT_FP8", "OUT_DTYPE",
                        "THREADS", "COMBINE_STRIDE", "TRACE_PTR", "GROUP_FLAGS_OFFSET", "COMBINE_GROUPED",
-                       "PUT_MODE", "STAGE_OFFSET", "STAGE_COMBINE_OFFSET", "STAGE_COUNTS_OFFSET", "ZERO_COPY")}
+                       "PUT_MODE", "STAGE_OFFSET", "STAGE_COMBINE_OFFSET", "STAGE_COUNTS_OFFSET", "ZERO_COPY",
+                       "COMBINE_PULL_INPUT")}
     names["kCfgDispatchOffset0"], names["kCfgDispatchOffset1"] = kp.DISPATCH_OFFSET0, kp.DISPATCH_OFFSET1
     names["kCfgCombineOffset0"], names["kCfgCombineOffset1"] = kp.COMBINE_OFFSET0, kp.COMBINE_OFFSET1
     names["kCfgCountsOffset0"], names["kCfgCountsOffset1"] = kp.COUNTS_OFFSET0, kp.COUNTS_OFFSET1

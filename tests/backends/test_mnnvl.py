@@ -96,6 +96,12 @@ def test_zero_copy_under_cuda_graphs(case):
     _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("mnnvl",))
 
 
+@pytest.mark.parametrize("case", ZERO_COPY)
+def test_zero_copy_with_pushed_partials_matches_oracle(case):
+    """Zero copy combines pull by default; ``$EP_COMM_COMBINE_PULL=0`` keeps the pushing protocol."""
+    _assert_clean(case, "zero_copy_push", cases.zero_copy_matrix_pushing, ("mnnvl",))
+
+
 @pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
 def test_zero_copy_recv_hooks_under_cuda_graphs(case):
     _assert_clean(case, "zero_copy_hooks_graph", cases.zero_copy_graphs, ("mnnvl",), True)
@@ -317,6 +323,65 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl") -> dict:
     comm.close()
     res["close_s"] = time.monotonic() - t0
     return res
+
+
+def skip_combine_worker(timeout_s: float) -> dict:
+    """Zero copy (pulling combine): the last rank dispatches and then skips the combine."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=timeout_s, zero_copy=True)
+    comm = ep_comm.Communicator(cfg, device=device)
+    inp = oracle.random_inputs(cfg, world, 6)[rank].to(comm.device)
+    d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+    comm.check_errors()
+    res: dict = {"rank": rank}
+    if rank != world - 1:
+        t0 = time.monotonic()
+        comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        try:
+            comm.check_errors()
+            res["error"] = None
+        except ep_comm.EPTimeoutError as exc:
+            res["error"], res["missing"] = str(exc), list(exc.missing_ranks)
+        res["elapsed"] = time.monotonic() - t0
+        try:
+            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+            res["later"] = "no error"
+        except ep_comm.EPError as exc:
+            res["later"] = type(exc).__name__
+    t0 = time.monotonic()
+    comm.close()
+    res["close_s"] = time.monotonic() - t0
+    return res
+
+
+def pull_disagreement_worker() -> str:
+    topo, device = cases.init_rank()
+    if topo.rank == 0:
+        os.environ[kp.COMBINE_PULL_ENV] = "0"
+    cfg = cases.make_cfg(topo.world_size, "mnnvl", "standard", None, zero_copy=True)
+    try:
+        ep_comm.Communicator(cfg, device=device).close()
+        return "created"
+    except ep_comm.EPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_ranks_disagreeing_on_pulling_combines_are_refused():
+    for msg in _spawn(pull_disagreement_worker, timeout_s=120):
+        assert "disagree on pulling combines" in msg, msg
+
+
+def test_rank_that_skips_a_pulling_combine_is_named_by_a_timeout():
+    timeout_s = 3.0
+    results = _spawn(skip_combine_worker, timeout_s, timeout_s=120)
+    world = _world()
+    for res in results[:-1]:
+        assert res["error"] is not None, res
+        assert res["missing"] == [world - 1], res
+        assert res["elapsed"] < timeout_s + 5, res
+        assert res["later"] == "EPTimeoutError", res
+    assert all(r["close_s"] < 30 for r in results)
 
 
 def test_rank_that_skips_a_call_is_named_by_a_timeout():

@@ -66,6 +66,9 @@ class SplitStandIn:
         y.zero_()
         return y, self._hook(lambda: y.copy_(full))
 
+    def expert_output_buffer(self, dispatched: Dispatched) -> torch.Tensor:
+        return self._comm.expert_output_buffer(dispatched)
+
     def check_errors(self) -> None:
         self._comm.check_errors()
 
