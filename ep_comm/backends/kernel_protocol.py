@@ -37,8 +37,11 @@ PHASE_ABANDON_ON_INVALID = 4
 # slower in every grouped mode, so they stay ungrouped.
 GROUP_TOKENS, GROUPED_MIN_TOKENS = 32, 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
-# "0": a zero-copy combine pushes partials as without zero copy (for measurements); default: it pulls
+# zero copy: combine pulls (reads the owners' expert rows in place) from this many tokens per rank; it
+# pushes below, where the extra "done reading" round trip outweighs the saved pass (EP2, H200: pull
+# 223.8 vs push 324.1 us at 4096 tokens, 20.1-20.4 vs 18.9-19.0 at 128).  "0" / "1" force it.
 COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
+PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
 
 # phase stamps (EP_COMM_TRACE=1): uint64 [2 ops][num_blocks][TRACE_SLOTS] globaltimer values
 TRACE_DISPATCH, TRACE_COMBINE, TRACE_SLOTS, TRACE_SOURCES = 0, 1, 24, 8
@@ -153,13 +156,16 @@ class BufferLayout:
 
 def combine_pulls(cfg: EPConfig, layout: BufferLayout, forced: Optional[str]) -> bool:
     """Whether combine reads the peers' expert rows in place (kCfgCombinePullInput): zero copy, peers
-    reached by stores (not put mode), and rows of exactly ``hidden`` elements so that the experts can
-    write a contiguous ``[N, hidden]`` view of them.  ``forced`` is $EP_COMM_COMBINE_PULL."""
+    reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
+    write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
+    ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"${COMBINE_PULL_ENV}={forced!r}: expected 0 or 1")
     possible = (cfg.zero_copy and not layout.put_mode
                 and layout.combine_stride == cfg.hidden * cfg.dtype.itemsize)
-    return possible and forced != "0"
+    if forced in ("0", "1"):
+        return possible and forced == "1"
+    return possible and cfg.max_tokens_per_rank >= PULL_MIN_TOKENS
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:

@@ -208,10 +208,17 @@ def zero_copy_case_names(backend: str) -> list[str]:
         [f"{backend}/standard/zero_copy_views"]
 
 
-def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
+def force_pull(pull: bool) -> None:
+    """Zero-copy combines pull (or push) whatever the tests' small max_tokens_per_rank (set in the
+    spawned rank before its communicators are made)."""
+    os.environ[kp.COMBINE_PULL_ENV] = "1" if pull else "0"
+
+
+def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True) -> dict:
     """The standard matrix with ``zero_copy=True`` (repeated: every call reuses the one half of the
     buffer), then: the returned rows are views of this rank's buffer, and a second dispatch before the
-    combine of the first is refused on every rank."""
+    combine of the first is refused on every rank.  Combines pull unless ``pull`` is False."""
+    force_pull(pull)
     results = backend_matrix(backends, ("standard",), 2, hooks, zero_copy=True)
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
@@ -258,8 +265,7 @@ def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False) -> dict:
 
 def zero_copy_matrix_pushing(backends=("mnnvl",)) -> dict:
     """``zero_copy_matrix`` with ``$EP_COMM_COMBINE_PULL=0``: zero-copy rows, partials pushed."""
-    os.environ[kp.COMBINE_PULL_ENV] = "0"
-    return zero_copy_matrix(backends)
+    return zero_copy_matrix(backends, pull=False)
 
 
 def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool) -> list[str]:
@@ -267,6 +273,9 @@ def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool
     communicator's buffer when combine pulls), combined in place, against the oracle."""
     problems: list[str] = []
     pulls = bool(comm._impl.cfg_vec[kp.COMBINE_PULL_INPUT]) if hasattr(comm._impl, "cfg_vec") else False
+    if hasattr(comm._impl, "layout") and pulls != (os.environ.get(kp.COMBINE_PULL_ENV) == "1"
+                                                  and not comm._impl.layout.put_mode):
+        problems.append(f"combine pulls: {pulls}, against ${kp.COMBINE_PULL_ENV} and put mode")
     seen = []
     for seed in (31, 32, 33):
         inputs = oracle.random_inputs(cfg, world, seed)
@@ -300,13 +309,16 @@ def wide_rows_case_names(backend: str) -> list[str]:
 
 def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool = True) -> dict:
     """The standard matrix with rows wide enough to go in several pieces (hidden = WIDE_HIDDEN; the
-    other cases' 512-byte rows go whole), keyed ``wide/...``."""
+    other cases' 512-byte rows go whole), keyed ``wide/...``.  Zero-copy combines pull."""
+    force_pull(True)
     res = backend_matrix(backends, ("standard",), 1, hooks, zero_copy=zero_copy, hidden=WIDE_HIDDEN)
     return {f"wide/{k}": v for k, v in res.items()}
 
 
 def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False) -> dict:
-    """``graph_capture`` of the standard layout with ``zero_copy=True``: replays read the rows in place."""
+    """``graph_capture`` of the standard layout with ``zero_copy=True``: replays read the rows in place
+    and combines pull."""
+    force_pull(True)
     return graph_capture(backends, ("standard",), 3, hooks, zero_copy=True)
 
 

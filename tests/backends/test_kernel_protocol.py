@@ -55,6 +55,22 @@ def test_zero_copy_reaches_the_kernels_for_the_standard_layout():
     assert kp.config_vector(cfg.replace(zero_copy=True), 0, 2, lay, 24, 0)[kp.ZERO_COPY] == 1
 
 
+def test_zero_copy_combines_pull_at_prefill_sizes_over_stores_only():
+    def pulls(max_tokens=4096, hidden=7168, zero_copy=True, put=False, forced=None, dtype=torch.bfloat16):
+        cfg = ep_comm.EPConfig(num_experts=16, top_k=4, hidden=hidden, max_tokens_per_rank=max_tokens,
+                               dtype=dtype, zero_copy=zero_copy)
+        return kp.combine_pulls(cfg, kp.BufferLayout.for_config(cfg, 2, put_mode=put), forced)
+
+    assert pulls() and pulls(max_tokens=kp.PULL_MIN_TOKENS)
+    assert not pulls(max_tokens=kp.PULL_MIN_TOKENS - 1) and pulls(max_tokens=16, forced="1")
+    assert not pulls(forced="0") and not pulls(zero_copy=False) and not pulls(zero_copy=False, forced="1")
+    assert not pulls(put=True) and not pulls(put=True, forced="1")  # NVSHMEM puts: partials are pushed
+    assert not pulls(hidden=7172, forced="1")  # rows padded to 16 bytes: no contiguous [N, hidden] view
+    assert pulls(hidden=7172, dtype=torch.float32, forced="1")
+    with pytest.raises(ValueError):
+        pulls(forced="yes")
+
+
 def test_group_constants_match_the_header():
     text = HEADER.read_text()
     assert int(re.search(r"kGroupTokens\s*=\s*(\d+)", text).group(1)) == kp.GROUP_TOKENS

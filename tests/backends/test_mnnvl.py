@@ -327,6 +327,7 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl") -> dict:
 
 def skip_combine_worker(timeout_s: float) -> dict:
     """Zero copy (pulling combine): the last rank dispatches and then skips the combine."""
+    cases.force_pull(True)
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=timeout_s, zero_copy=True)
@@ -357,8 +358,7 @@ def skip_combine_worker(timeout_s: float) -> dict:
 
 def pull_disagreement_worker() -> str:
     topo, device = cases.init_rank()
-    if topo.rank == 0:
-        os.environ[kp.COMBINE_PULL_ENV] = "0"
+    cases.force_pull(topo.rank != 0)
     cfg = cases.make_cfg(topo.world_size, "mnnvl", "standard", None, zero_copy=True)
     try:
         ep_comm.Communicator(cfg, device=device).close()
