@@ -7,6 +7,10 @@ What a fused-MoE kernel (vLLM/SGLang style) does with ``layout="standard"``: for
 run the row's *local* experts (``d.topk_ids`` in ``[0, L)``, -1 = expert on another rank or padding),
 weight them with ``d.topk_weights`` and sum.  ``combine`` then adds the rows of every rank the token
 went to.  Rows whose ids are all -1 are padding; combine ignores whatever they hold.
+
+The expert outputs go into ``comm.expert_output_buffer(d)``: with ``--zero-copy`` on the kernel
+backends (GPUs on NVLink) and from 512 tokens per rank, that is the communicator's own buffer and
+combine reads it in place; everywhere else it is a plain tensor, so the code is the same.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ def run(args: argparse.Namespace) -> float:
     rank, world = topo.rank, topo.world_size
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
-                           max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, layout="standard")
+                           max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, layout="standard",
+                           zero_copy=args.zero_copy)
     g = torch.Generator().manual_seed(args.seed)  # same weights and inputs on every rank
     w = (torch.randn(args.experts, args.hidden, args.hidden, generator=g) / args.hidden**0.5).to(device)
     xs = [torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16) for _ in range(world)]
@@ -47,8 +52,10 @@ def run(args: argparse.Namespace) -> float:
             rows, slot = torch.nonzero(d.topk_ids == e, as_tuple=True)
             if rows.numel():
                 out[rows] += d.topk_weights[rows, slot].unsqueeze(1) * expert(d.x[rows], w, first + e)
-        y = comm.combine(out.to(cfg.dtype), d)  # sums this token's rows from every rank it went to
-        padding = int((d.topk_ids < 0).all(dim=1).sum())
+        padding = int((d.topk_ids < 0).all(dim=1).sum())  # (zero copy: d's rows are read before combine)
+        buf = comm.expert_output_buffer(d)  # a fused-MoE kernel would write its output here directly
+        buf.copy_(out)
+        y = comm.combine(buf, d)  # sums this token's rows from every rank it went to
 
     ref = torch.zeros(x.shape[0], args.hidden, device=device)
     for j in range(args.topk):
@@ -72,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero-copy", action="store_true", help="EPConfig.zero_copy: received rows and expert outputs "
+                   "stay in the communicator's buffer (kernel backends)")
     args = p.parse_args(argv)
     if read_launch_env().world_size > 1:
         run(args)  # started by torchrun/mpirun/srun: this process is one rank

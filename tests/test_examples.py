@@ -13,13 +13,14 @@ from ep_comm.distributed.spawn import LAUNCHER_VARS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script, ok_line", [
-    ("moe_layer.py", "moe_layer example: OK"),
-    ("standard_layout.py", "standard_layout example: OK"),
+@pytest.mark.parametrize("script, ok_line, extra", [
+    ("moe_layer.py", "moe_layer example: OK", []),
+    ("standard_layout.py", "standard_layout example: OK", []),
+    ("standard_layout.py", "standard_layout example: OK", ["--zero-copy", "--tokens", "600"]),
 ])
-def test_example_self_spawn(script, ok_line):
+def test_example_self_spawn(script, ok_line, extra):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", script), "--nproc", "2"], cwd=REPO,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", script), "--nproc", "2", *extra], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ok_line in proc.stdout
