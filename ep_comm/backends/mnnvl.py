@@ -210,6 +210,11 @@ class MnnvlBackend:
             view = self._zero_copy_views[key] = rows[:, offset: offset + nbytes].view(like.dtype)
         return view
 
+    @property
+    def combine_pulls(self) -> bool:
+        """Whether combine reads the expert rows in place (zero copy, from PULL_MIN_TOKENS)."""
+        return self._expert_rows is not None
+
     def expert_output_buffer(self, dispatched: Dispatched) -> Optional[torch.Tensor]:
         """Pulling combines: the ``[N, hidden]`` rows of this rank's buffer that combine reads (peers
         over NVLink); experts that write their outputs there save combine a copy.  None otherwise."""

@@ -239,6 +239,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                             if hooks:
                                 halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
+                    pulls = bool(getattr(getattr(comm, "_impl", None), "combine_pulls", False))
                     agreement = _agreement(comm)
                 finally:
                     with phases("close"):
@@ -265,6 +266,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                         "sms": sms, **base, "ratio": round(p50 / base_p50, 3) if base_p50 > 0 else None,
                         "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
                         "phase_s": row_phases,
+                        "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
                     })
                     if host:  # eager: the host's own time per whole call, max over ranks of its p50
                         rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
