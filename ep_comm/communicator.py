@@ -382,6 +382,9 @@ class Communicator:
 
     def _combine_kernel(self, expert_out, dispatched, out, hook: bool = False):
         self._check_no_pending_hook()
+        if torch.compiler.is_compiling() and getattr(self._impl, "combine_pulls", False):
+            raise EPConfigError("zero_copy", True, "combine reads the expert outputs in place in the buffer, which a "
+                                "torch.compile graph cannot order; use eager calls or CUDA graphs")
         host_checks = not self._capturing() and not torch.compiler.is_compiling()
         earlier_drops = host_checks and self._before_kernel_call()
         try:
@@ -518,7 +521,7 @@ class DroppedIds:
 # protocol: a rank that differs would corrupt or wait forever, so creation refuses it on every rank.
 # (timeout_s, num_sms and validate_ids may differ: each rank's own business.)
 _SHARED_FIELDS = ("num_experts", "top_k", "hidden", "max_tokens_per_rank", "dtype", "layout", "quant", "zero_copy")
-_SHARED_ENV = ("EP_COMM_COMBINE_GROUPED",)
+_SHARED_ENV = ("EP_COMM_COMBINE_GROUPED", "EP_COMM_COMBINE_PULL")
 
 
 def _shared_settings(cfg: EPConfig, requested: str) -> dict:

@@ -51,10 +51,11 @@ class EPConfig:
     row-strided views of the communicator's receive buffer instead of copying the received rows out
     (prefill: 300 → 237 µs at EP2 × 4096 tokens).  Read them only before this rank's ``combine`` of
     that dispatch (in stream order); every eager dispatch must be combined before the next one on the
-    communicator (``EPError`` otherwise).  Where peers are reached over NVLink, ``combine`` also
-    works in place: each rank reads its tokens' expert outputs from the experts' ranks while summing
-    (no partials written to the token's rank and read back); write them into
-    ``Communicator.expert_output_buffer(d)`` to save combine copying them there.  The collective
+    communicator (``EPError`` otherwise).  Where peers are reached over NVLink and
+    ``max_tokens_per_rank >= 512``, ``combine`` also works in place: each rank reads its tokens'
+    expert outputs from the experts' ranks while summing (no partials written to the token's rank
+    and read back); write them into ``Communicator.expert_output_buffer(d)`` to save combine
+    copying them there.  The collective
     backends' standard ``x`` is a view of the gathered data already; they accept the flag and change
     nothing.
     """

@@ -355,6 +355,8 @@ def mismatched_settings_worker(what: str):
         cfg = cfg.replace(zero_copy=True)
     if rank == 1 and what == "env":
         os.environ["EP_COMM_COMBINE_GROUPED"] = "split"
+    if rank == 1 and what == "pull_env":  # a zero-copy combine pulling on some ranks, pushing on others
+        os.environ["EP_COMM_COMBINE_PULL"] = "0"
     try:
         with ep_comm.Communicator(cfg):
             return ("created", "")
@@ -362,13 +364,13 @@ def mismatched_settings_worker(what: str):
         return (type(exc).__name__, str(exc))
 
 
-@pytest.mark.parametrize("what", ["hidden", "zero_copy", "env"])
+@pytest.mark.parametrize("what", ["hidden", "zero_copy", "env", "pull_env"])
 def test_ranks_with_different_settings_are_refused_on_every_rank(what):
     """A field that shapes what ranks exchange (or a protocol knob in the environment) that differs
     between ranks would corrupt data or hang: creation raises on every rank, naming it and the ranks."""
     results = raise_on_failure(spawn_local(mismatched_settings_worker, 3, (what,), timeout_s=120,
                                            extra_env=lambda r: CPU_ONLY))
-    name = "$EP_COMM_COMBINE_GROUPED=" if what == "env" else f"EPConfig.{what}="
+    name = {"env": "$EP_COMM_COMBINE_GROUPED=", "pull_env": "$EP_COMM_COMBINE_PULL="}.get(what, f"EPConfig.{what}=")
     for rank, (kind, msg) in enumerate(results):
         assert kind == "EPConfigError", (rank, kind, msg)
         assert msg.startswith(name) and "ranks 0, 2" in msg and "rank 1:" in msg, (rank, msg)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import EPError, EPInputError, EPTimeoutError
+from ..errors import EPConfigError, EPError, EPInputError, EPTimeoutError
 from ..layouts import Dispatched
 from ..memory.probe import IMEX_CHANNEL_DIR, probe_capabilities
 from ..memory.symmetric import SymmetricBuffer
@@ -73,13 +73,12 @@ class MnnvlBackend:
         self.zero_copy = bool(self.cfg_vec[kp.ZERO_COPY])
         self._zero_copy_views: dict = {}
         # zero copy: combine reads the peers' expert rows in place (one pass over NVLink, no partials
-        # written and read back); every rank must run the same protocol, so the ranks compare answers
-        pull = kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV))
-        if ctx.cfg.zero_copy:
-            answers = ctx.control.gather_objects(pull)
-            if len(set(answers)) != 1:
-                raise EPError(f"{self.name} backend: ranks disagree on pulling combines (${kp.COMBINE_PULL_ENV} set "
-                              f"on some ranks only?): {answers}")
+        # written and read back).  Every rank must run the same protocol: everything the answer
+        # depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL included)
+        try:
+            pull = kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV))
+        except ValueError as exc:
+            raise EPConfigError(f"${kp.COMBINE_PULL_ENV}", os.environ.get(kp.COMBINE_PULL_ENV), str(exc)) from exc
         self._expert_rows: Optional[torch.Tensor] = None
         if pull:
             lay, n, cfg = layout, ctx.world_size * ctx.cfg.max_tokens_per_rank, ctx.cfg
@@ -243,7 +242,7 @@ class MnnvlBackend:
     def _combine_op(self, expert_out: torch.Tensor, dispatched: Dispatched, target: torch.Tensor, phases: int) -> None:
         h: KernelHandle = dispatched.handle
         rows = self._expert_rows
-        if rows is not None and phases & kp.PHASE_SEND and expert_out.data_ptr() != rows.data_ptr():
+        if rows is not None and phases & kp.PHASE_SEND and not _same_view(expert_out, rows):
             rows.copy_(expert_out)  # peers read the rows in place: they must be in the buffer (cast to dtype)
         if rows is not None:
             expert_out = rows
@@ -345,6 +344,12 @@ def kernels_unavailable(ctx: BackendContext) -> str:
 
 def _phases(halves: int, abandon_on_invalid: bool) -> int:
     return halves | (kp.PHASE_ABANDON_ON_INVALID if abandon_on_invalid else 0)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is exactly the tensor ``b`` views (address, dtype, shape, strides)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _contiguous_target(out: torch.Tensor) -> torch.Tensor:

@@ -268,6 +268,50 @@ def zero_copy_matrix_pushing(backends=("mnnvl",)) -> dict:
     return zero_copy_matrix(backends, pull=False)
 
 
+def _other_expert(xf: torch.Tensor, expert: int) -> torch.Tensor:
+    return -0.5 * oracle.test_expert(xf, expert) + 0.03
+
+
+def pull_reuse(backends=("mnnvl",)) -> dict:
+    """Pulling combines that give a peer time to read late: one ``Dispatched`` combined twice with
+    different expert outputs written into ``expert_output_buffer`` in between, by a rank without
+    tokens (nothing of its own to sum, so it reaches its next write first) while the others sum
+    slowly (1 SM, wide rows); the second write must wait until every peer has read the first.
+    Then float32 expert outputs (cast into the buffer).  Keys ``<backend>/pull_reuse``,
+    ``<backend>/pull_fp32_expert_out``."""
+    force_pull(True)
+    topo, device = init_rank()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    for backend in backends:
+        problems: list[str] = []
+        cfg = make_cfg(world, backend, "standard", None, zero_copy=True, hidden=WIDE_HIDDEN, num_sms=1)
+        tokens = [0] + [cfg.max_tokens_per_rank] * (world - 1)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            for seed in (51, 52):
+                inputs = oracle.random_inputs(cfg, world, seed, tokens=tokens)
+                mine = inputs[rank].to(comm.device)
+                d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+                buf = comm.expert_output_buffer(d)
+                for name, fn in (("first", oracle.test_expert), ("second", _other_expert)):
+                    buf.copy_(oracle.run_experts(cfg, rank, world, d, expert_fn=fn))
+                    y = comm.combine(buf, d)
+                    problems += [f"seed {seed} {name} combine: {p}" for p in oracle.compare_combine(
+                        cfg, y, oracle.expected_combine(cfg, inputs, expert_fn=fn)[rank])]
+        results[f"{backend}/pull_reuse"] = problems
+        problems = []
+        cfg = make_cfg(world, backend, "standard", None, zero_copy=True)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            inputs = oracle.random_inputs(cfg, world, 53)
+            mine = inputs[rank].to(comm.device)
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            y = comm.combine(oracle.run_experts(cfg, rank, world, d).float(), d)
+            problems += [f"float32 expert_out: {p}" for p in
+                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+        results[f"{backend}/pull_fp32_expert_out"] = problems
+    return results
+
+
 def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool) -> list[str]:
     """Experts that write into ``expert_output_buffer``: the same buffer every call (a view of the
     communicator's buffer when combine pulls), combined in place, against the oracle."""

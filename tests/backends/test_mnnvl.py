@@ -367,9 +367,14 @@ def pull_disagreement_worker() -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+@pytest.mark.parametrize("case", ["mnnvl/pull_reuse", "mnnvl/pull_fp32_expert_out"])
+def test_pulling_combine_rows_rewritten_while_a_peer_reads_slowly(case):
+    _assert_clean(case, "pull_reuse", cases.pull_reuse, ("mnnvl",))
+
+
 def test_ranks_disagreeing_on_pulling_combines_are_refused():
     for msg in _spawn(pull_disagreement_worker, timeout_s=120):
-        assert "disagree on pulling combines" in msg, msg
+        assert msg.startswith("EPConfigError: $EP_COMM_COMBINE_PULL="), msg
 
 
 def test_rank_that_skips_a_pulling_combine_is_named_by_a_timeout():
