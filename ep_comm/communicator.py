@@ -109,6 +109,7 @@ class Communicator:
         local = _backends.local_availability(self._ctx)
         reports = self.control.gather_objects((local, _shared_settings(self.cfg, requested)))
         _check_shared_settings([s for _, s in reports])
+        _backends.check_environment()  # (the same values on every rank now: every rank raises alike)
         everyone = [a for a, _ in reports]
 
         def blocker(name: str) -> str:

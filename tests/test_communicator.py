@@ -409,3 +409,22 @@ def test_expert_output_buffer_gives_every_backend_a_tensor_to_write_expert_outpu
     for problems in raise_on_failure(spawn_local(expert_output_buffer_worker, 2, (backend, layout, zero_copy),
                                                  timeout_s=120, extra_env=lambda r: CPU_ONLY)):
         assert problems == [], "\n".join(problems)
+
+
+def malformed_switch_worker(name: str, value: str):
+    os.environ[name] = value
+    topo = ep_comm.init_distributed()
+    try:
+        with ep_comm.Communicator(_cfg(topo.world_size, backend="auto")):
+            return ("created", "")
+    except ep_comm.EPConfigError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("name,value", [("EP_COMM_COMBINE_PULL", "yes"), ("EP_COMM_COMBINE_GROUPED", "split:x")])
+def test_a_malformed_protocol_switch_is_a_config_error_on_every_rank(name, value):
+    """Not a backend that cannot start (which backend="auto" would skip with a warning): every rank
+    raises, naming the variable."""
+    for kind, msg in raise_on_failure(spawn_local(malformed_switch_worker, 2, (name, value), timeout_s=120,
+                                                  extra_env=lambda r: CPU_ONLY)):
+        assert kind == "EPConfigError" and msg.startswith(f"${name}={value!r}"), msg

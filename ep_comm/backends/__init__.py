@@ -5,6 +5,7 @@ from typing import Type
 
 from .ag_rs import AllGatherReduceScatterBackend
 from .base import Availability, Backend, BackendContext, KernelBackend, RoutedBatch
+from .kernel_protocol import check_environment
 from .mnnvl import MnnvlBackend
 from .naive import NaiveBackend
 from .nvshmem import NvshmemBackend
@@ -54,5 +55,6 @@ register(AllGatherReduceScatterBackend)
 register(MnnvlBackend)
 register(NvshmemBackend)
 
-__all__ = ["Availability", "Backend", "BackendContext", "KernelBackend", "RoutedBatch", "register", "get_backend", "registered",
+__all__ = ["Availability", "Backend", "BackendContext", "KernelBackend", "RoutedBatch", "check_environment", "register",
+           "get_backend", "registered",
            "local_availability", "AUTO_ORDER", "NOT_BUILT"]

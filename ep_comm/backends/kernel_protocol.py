@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..config import EPConfig
+from ..errors import EPConfigError
 
 # index of each entry of the int64 config vector (protocol.h, enum kCfg*)
 (RANK, WORLD, MAX_TOKENS, NUM_EXPERTS, NUM_LOCAL, TOP_K, HIDDEN, BATCHED, NUM_BLOCKS, ROW_STRIDE,
@@ -159,13 +160,30 @@ def combine_pulls(cfg: EPConfig, layout: BufferLayout, forced: Optional[str]) ->
     reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
     write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
     ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
-    if forced not in (None, "", "0", "1"):
-        raise ValueError(f"${COMBINE_PULL_ENV}={forced!r}: expected 0 or 1")
+    _check_pull_switch(forced)
     possible = (cfg.zero_copy and not layout.put_mode
                 and layout.combine_stride == cfg.hidden * cfg.dtype.itemsize)
     if forced in ("0", "1"):
         return possible and forced == "1"
     return possible and cfg.max_tokens_per_rank >= PULL_MIN_TOKENS
+
+
+def _check_pull_switch(forced: Optional[str]) -> None:
+    if forced not in (None, "", "0", "1"):
+        raise ValueError("expected 0 or 1")
+
+
+def check_environment() -> None:
+    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED or $EP_COMM_COMBINE_PULL, raised before
+    any backend is made: under ``backend="auto"`` it must not pass for a backend that cannot start."""
+    checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
+              (COMBINE_PULL_ENV, _check_pull_switch))
+    for name, check in checks:
+        value = os.environ.get(name)
+        try:
+            check(value)
+        except ValueError as exc:
+            raise EPConfigError(f"${name}", value, str(exc)) from exc
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:
