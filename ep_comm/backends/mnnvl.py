@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import EPConfigError, EPError, EPInputError, EPTimeoutError
+from ..errors import EPError, EPInputError, EPTimeoutError
 from ..layouts import Dispatched
 from ..memory.probe import IMEX_CHANNEL_DIR, probe_capabilities
 from ..memory.symmetric import SymmetricBuffer
@@ -74,13 +74,10 @@ class MnnvlBackend:
         self._zero_copy_views: dict = {}
         # zero copy: combine reads the peers' expert rows in place (one pass over NVLink, no partials
         # written and read back).  Every rank must run the same protocol: everything the answer
-        # depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL included)
-        try:
-            pull = kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV))
-        except ValueError as exc:
-            raise EPConfigError(f"${kp.COMBINE_PULL_ENV}", os.environ.get(kp.COMBINE_PULL_ENV), str(exc)) from exc
+        # depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL included,
+        # and its form: kp.check_environment)
         self._expert_rows: Optional[torch.Tensor] = None
-        if pull:
+        if kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV)):
             lay, n, cfg = layout, ctx.world_size * ctx.cfg.max_tokens_per_rank, ctx.cfg
             nbytes = n * cfg.hidden * cfg.dtype.itemsize
             self._expert_rows = buffer.local[lay.combine_offset[0]: lay.combine_offset[0] + nbytes] \
@@ -242,9 +239,9 @@ class MnnvlBackend:
     def _combine_op(self, expert_out: torch.Tensor, dispatched: Dispatched, target: torch.Tensor, phases: int) -> None:
         h: KernelHandle = dispatched.handle
         rows = self._expert_rows
-        if rows is not None and phases & kp.PHASE_SEND and not _same_view(expert_out, rows):
-            rows.copy_(expert_out)  # peers read the rows in place: they must be in the buffer (cast to dtype)
-        if rows is not None:
+        if rows is not None:  # peers read the rows in place: the kernel is handed the buffer's rows
+            if phases & kp.PHASE_SEND and not _same_view(expert_out, rows):
+                rows.copy_(expert_out)  # (cast to the buffer's dtype)
             expert_out = rows
         self._combine_kernel_op(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, self.state,
                                         self.peer_base, target, self.cfg_vec, phases)

@@ -295,50 +295,28 @@ def test_dtypes_int64_ids_and_device_side_validation(case):
 
 
 # -- errors: a rank that skips a call, ranks on different calls, a rank with bad input --------------------
-def skip_worker(timeout_s: float, backend: str = "mnnvl") -> dict:
+def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispatch") -> dict:
+    """The last rank skips a call: the next dispatch after a whole round, or (``skipped="combine"``:
+    zero copy, pulling combine) the combine of the first dispatch, whose rows its peers wait to read."""
+    pulling = skipped == "combine"
+    if pulling:
+        cases.force_pull(True)
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s)
+    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s, zero_copy=pulling)
     comm = ep_comm.Communicator(cfg, device=device)
     inp = oracle.random_inputs(cfg, world, 5)[rank].to(comm.device)
     d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-    comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-    comm.check_errors()
-    res: dict = {"rank": rank}
-    if rank != world - 1:  # the last rank skips the next dispatch
-        t0 = time.monotonic()
-        comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-        try:
-            comm.check_errors()
-            res["error"] = None
-        except ep_comm.EPTimeoutError as exc:
-            res["error"], res["missing"] = str(exc), list(exc.missing_ranks)
-        res["elapsed"] = time.monotonic() - t0
-        try:
-            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-            res["later"] = "no error"
-        except ep_comm.EPError as exc:
-            res["later"] = type(exc).__name__
-    t0 = time.monotonic()
-    comm.close()
-    res["close_s"] = time.monotonic() - t0
-    return res
-
-
-def skip_combine_worker(timeout_s: float) -> dict:
-    """Zero copy (pulling combine): the last rank dispatches and then skips the combine."""
-    cases.force_pull(True)
-    topo, device = cases.init_rank()
-    world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, "mnnvl", "standard", None, timeout_s=timeout_s, zero_copy=True)
-    comm = ep_comm.Communicator(cfg, device=device)
-    inp = oracle.random_inputs(cfg, world, 6)[rank].to(comm.device)
-    d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-    comm.check_errors()
-    res: dict = {"rank": rank}
-    if rank != world - 1:
-        t0 = time.monotonic()
+    if not pulling:
         comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+    comm.check_errors()
+    res: dict = {"rank": rank}
+    if rank != world - 1:  # the last rank skips the next call
+        t0 = time.monotonic()
+        if pulling:
+            comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+        else:
+            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
         try:
             comm.check_errors()
             res["error"] = None
@@ -377,21 +355,11 @@ def test_ranks_disagreeing_on_pulling_combines_are_refused():
         assert msg.startswith("EPConfigError: $EP_COMM_COMBINE_PULL="), msg
 
 
-def test_rank_that_skips_a_pulling_combine_is_named_by_a_timeout():
+@pytest.mark.parametrize("skipped", ["dispatch", "combine"])
+def test_rank_that_skips_a_call_is_named_by_a_timeout(skipped):
+    """combine: a pulling combine (zero copy), whose peers wait for the skipping rank's rows."""
     timeout_s = 3.0
-    results = _spawn(skip_combine_worker, timeout_s, timeout_s=120)
-    world = _world()
-    for res in results[:-1]:
-        assert res["error"] is not None, res
-        assert res["missing"] == [world - 1], res
-        assert res["elapsed"] < timeout_s + 5, res
-        assert res["later"] == "EPTimeoutError", res
-    assert all(r["close_s"] < 30 for r in results)
-
-
-def test_rank_that_skips_a_call_is_named_by_a_timeout():
-    timeout_s = 3.0
-    results = _spawn(skip_worker, timeout_s, timeout_s=120)
+    results = _spawn(skip_worker, timeout_s, "mnnvl", skipped, timeout_s=120)
     world = _world()
     for res in results[:-1]:
         assert res["error"] is not None, res
