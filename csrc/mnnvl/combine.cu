@@ -261,15 +261,19 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
       *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
     return;
   }
+  __shared__ int s_readable;
   if (threadIdx.x == 0) {
+    bool ok = true;
     for (int i = 1; i < L.world; ++i) {
       const int src = (L.rank + i) % L.world;
-      wait_flag(flag_slot(p.c, L.rank, parity, src), code, src, deadline, err);
+      ok = wait_flag(flag_slot(p.c, L.rank, parity, src), code, src, deadline, err) != 0 && ok;
     }
+    s_readable = ok;
   }
   __syncthreads();
   stamp(L, kTraceCombine, kTrSource0);
-  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+  // after a failed wait the call's result is void (the error record says why): skip the reads
+  for (int64_t item = gwarp; s_readable && item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
     sum_output_piece<Tin, Tout>(p, eo, nullptr, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
                                 src_rows, w, parts, lane);
   stamp(L, kTraceCombine, kTrSent, true);
@@ -280,8 +284,11 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
     if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
   if (p.phases == kPhaseBoth && threadIdx.x == 0)
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  // a peer already recorded as missing or on another call is not waited for again (the record keeps
+  // what it last signalled, not the "done" slot's stale value)
   for (int src = threadIdx.x; src < L.world; src += blockDim.x)
-    if (src != L.rank) wait_group_flag(p.c, parity, src, 0, code, deadline, err);
+    if (src != L.rank && *reinterpret_cast<volatile int32_t*>(p.c.status + kStatusRankReason + src) == 0)
+      wait_group_flag(p.c, parity, src, 0, code, deadline, err);
   stamp(L, kTraceCombine, kTrArrived, true);
 }
 

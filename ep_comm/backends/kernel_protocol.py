@@ -112,6 +112,8 @@ class BufferLayout:
     stage_offset: int = 0
     stage_combine_offset: int = 0
     stage_counts_offset: int = 0
+    # combine reads the expert rows in place (combine_pulls): one combine region, holding them
+    combine_pull: bool = False
 
     @property
     def scale_offset(self) -> int:
@@ -122,13 +124,16 @@ class BufferLayout:
         return self.stage_offset != 0
 
     @classmethod
-    def for_config(cls, cfg: EPConfig, world: int, put_mode: bool = False) -> "BufferLayout":
+    def for_config(cls, cfg: EPConfig, world: int, put_mode: bool = False,
+                   pull_env: Optional[str] = None) -> "BufferLayout":
+        """``pull_env``: $EP_COMM_COMBINE_PULL (``combine_pulls``; ValueError when malformed)."""
         k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
         meta = _align(ROW_HEADER_BYTES + 12 * k)
         payload_max = hidden * cfg.dtype.itemsize
         scale_max = _align(max(4 * -(-hidden // 128), hidden // 4, 64))
         row_stride = meta + _align(payload_max) + scale_max
         combine_stride = _align(hidden * cfg.dtype.itemsize)
+        pull = _pulls(cfg, put_mode, combine_stride, pull_env)
         flags = _align(2 * world * 8, 256)
         max_groups = -(-max_t // GROUP_TOKENS)
         group_flags = _align(2 * world * max_groups * 8, 256)
@@ -142,13 +147,14 @@ class BufferLayout:
         d0 = n1 + counts
         c0 = d0 + dispatch
         d1 = d0 if one_half else c0 + combine
-        c1 = c0 + combine if one_half else d1 + dispatch
+        # a pulling combine never receives partials: region 0 holds the expert rows, no region 1
+        c1 = (c0 if pull else c0 + combine) if one_half else d1 + dispatch
         end = c1 + combine
         stages = (end, end + dispatch, end + dispatch + combine) if put_mode else (0, 0, 0)
         if put_mode:
             end += dispatch + combine + counts
         return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, flags, max_groups,
-                   (d0, d1), (c0, c1), (n0, n1), end, *stages)
+                   (d0, d1), (c0, c1), (n0, n1), end, *stages, combine_pull=pull)
 
     def work_numel(self, num_local: int) -> int:
         """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
@@ -160,9 +166,22 @@ def combine_pulls(cfg: EPConfig, layout: BufferLayout, forced: Optional[str]) ->
     reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
     write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
     ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
+    return _pulls(cfg, layout.put_mode, layout.combine_stride, forced)
+
+
+def backend_layout(cfg: EPConfig, world: int, put_mode: bool = False) -> BufferLayout:
+    """The layout a kernel backend allocates, $EP_COMM_COMBINE_PULL read here (a setting the
+    communicator checked: the same, and well formed, on every rank)."""
+    forced = os.environ.get(COMBINE_PULL_ENV)
+    try:
+        return BufferLayout.for_config(cfg, world, put_mode, pull_env=forced)
+    except ValueError as exc:
+        raise EPConfigError(f"${COMBINE_PULL_ENV}", forced, str(exc)) from exc
+
+
+def _pulls(cfg: EPConfig, put_mode: bool, combine_stride: int, forced: Optional[str]) -> bool:
     _check_pull_switch(forced)
-    possible = (cfg.zero_copy and not layout.put_mode
-                and layout.combine_stride == cfg.hidden * cfg.dtype.itemsize)
+    possible = cfg.zero_copy and not put_mode and combine_stride == cfg.hidden * cfg.dtype.itemsize
     if forced in ("0", "1"):
         return possible and forced == "1"
     return possible and cfg.max_tokens_per_rank >= PULL_MIN_TOKENS

@@ -73,11 +73,10 @@ class MnnvlBackend:
         self.zero_copy = bool(self.cfg_vec[kp.ZERO_COPY])
         self._zero_copy_views: dict = {}
         # zero copy: combine reads the peers' expert rows in place (one pass over NVLink, no partials
-        # written and read back).  Every rank must run the same protocol: everything the answer
-        # depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL included,
-        # and its form: kp.check_environment)
+        # written and read back).  Every rank must run the same protocol: everything the layout's
+        # answer depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL too)
         self._expert_rows: Optional[torch.Tensor] = None
-        if kp.combine_pulls(ctx.cfg, layout, os.environ.get(kp.COMBINE_PULL_ENV)):
+        if layout.combine_pull:
             lay, n, cfg = layout, ctx.world_size * ctx.cfg.max_tokens_per_rank, ctx.cfg
             nbytes = n * cfg.hidden * cfg.dtype.itemsize
             self._expert_rows = buffer.local[lay.combine_offset[0]: lay.combine_offset[0] + nbytes] \
@@ -115,7 +114,7 @@ class MnnvlBackend:
 
     @classmethod
     def create(cls, ctx: BackendContext) -> "MnnvlBackend":
-        layout = kp.BufferLayout.for_config(ctx.cfg, ctx.world_size)
+        layout = kp.backend_layout(ctx.cfg, ctx.world_size)
         num_blocks = kp.default_num_blocks(ctx.cfg, ctx.device, os.environ.get(NUM_SMS_ENV))
         buf = SymmetricBuffer.create(layout.nbytes, ctx.control, ctx.topology, ctx.device.index,
                                      usable_backends=("ag_rs", "naive"), timeout_s=ctx.cfg.timeout_s)

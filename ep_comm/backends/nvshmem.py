@@ -53,7 +53,7 @@ class NvshmemBackend(MnnvlBackend):
         if len(set(modes)) != 1:
             raise EPError(f"nvshmem backend: ranks disagree on put mode ({PUT_ENV} or NVSHMEM_DISABLE_P2P set "
                           f"on some ranks only): {modes}")
-        layout = kp.BufferLayout.for_config(ctx.cfg, ctx.world_size, put_mode=put)
+        layout = kp.backend_layout(ctx.cfg, ctx.world_size, put_mode=put)
         num_blocks = kp.default_num_blocks(ctx.cfg, ctx.device, os.environ.get(NUM_SMS_ENV))
         buf = nvshmem_heap.NvshmemBuffer.create(layout.nbytes, ctx.control, ctx.topology, ctx.device.index,
                                                 put_mode=put)

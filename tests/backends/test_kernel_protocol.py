@@ -147,6 +147,11 @@ def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype, ze
     if zero_copy:  # one dispatch region: every call's rows stay in half 0
         assert lay.dispatch_offset[0] == lay.dispatch_offset[1]
         assert lay.nbytes == kp.BufferLayout.for_config(cfg.replace(zero_copy=False), world).nbytes - dispatch
+        # a pulling combine keeps its expert rows in combine region 0 and needs no region 1
+        pulled = kp.BufferLayout.for_config(cfg, world, pull_env="1")
+        assert pulled.combine_pull and not lay.combine_pull
+        assert pulled.combine_offset == (lay.combine_offset[0],) * 2
+        assert pulled.nbytes == lay.nbytes - world * 37 * lay.combine_stride
     for p in (0, 1):
         spans.append((lay.counts_offset[p], world * 12 * 4))
         if p == 0 or not zero_copy:
@@ -212,3 +217,13 @@ def test_put_mode_layout_adds_disjoint_staging_and_turns_grouping_off(monkeypatc
         put.stage_offset, put.stage_combine_offset, put.stage_counts_offset)
     vec = kp.config_vector(cfg, 0, world, plain, 24, 0)
     assert vec[kp.PUT_MODE] == 0 and vec[kp.COMBINE_GROUPED] == 1
+
+
+def test_a_malformed_pull_switch_is_a_config_error(monkeypatch):
+    cfg = ep_comm.EPConfig(num_experts=16, top_k=4, hidden=256, max_tokens_per_rank=1024, zero_copy=True)
+    assert kp.backend_layout(cfg, 2).combine_pull
+    monkeypatch.setenv(kp.COMBINE_PULL_ENV, "0")
+    assert not kp.backend_layout(cfg, 2).combine_pull
+    monkeypatch.setenv(kp.COMBINE_PULL_ENV, "yes")
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_COMBINE_PULL='yes'"):
+        kp.backend_layout(cfg, 2)
