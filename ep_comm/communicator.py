@@ -220,6 +220,21 @@ class Communicator:
         out.owner = self
         return out
 
+    def dispatch_input_buffer(self) -> torch.Tensor:
+        """Where to write the next ``dispatch``'s ``x``: ``[max_tokens_per_rank, hidden]`` of ``cfg.dtype``.
+
+        With ``zero_copy=True`` on the kernel backends (no fp8 quantisation) these are this rank's own
+        rows of the receive buffer, row-strided, the same tensor every time: ``dispatch(buf[:T], ...)``
+        sends the rows from where they lie and copies none of them (they become ``Dispatched.x``'s own
+        rows).  Write them only after this rank's previous ``combine`` (stream order) and leave them
+        until this dispatch's ``combine``.  Elsewhere this is a new tensor.
+        """
+        self._check_open()
+        rows = getattr(self._impl, "dispatch_input_buffer", lambda: None)()
+        if rows is not None:
+            return rows
+        return torch.empty(self.cfg.max_tokens_per_rank, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+
     def expert_output_buffer(self, dispatched: Dispatched) -> torch.Tensor:
         """Where the experts should write the ``expert_out`` of ``dispatched`` for ``combine``.
 

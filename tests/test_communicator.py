@@ -376,7 +376,7 @@ def test_ranks_with_different_settings_are_refused_on_every_rank(what):
         assert msg.startswith(name) and "ranks 0, 2" in msg and "rank 1:" in msg, (rank, msg)
 
 
-def expert_output_buffer_worker(backend: str, layout: str, zero_copy: bool) -> list[str]:
+def buffer_helpers_worker(backend: str, layout: str, zero_copy: bool) -> list[str]:
     topo = ep_comm.init_distributed()
     world, rank = topo.world_size, topo.rank
     cfg = _cfg(world, backend=backend, layout=layout, zero_copy=zero_copy)
@@ -389,7 +389,14 @@ def expert_output_buffer_worker(backend: str, layout: str, zero_copy: bool) -> l
             pass
         for seed in (3, 4):
             inputs = oracle.random_inputs(cfg, world, seed)
-            d = comm.dispatch(inputs[rank].x, inputs[rank].topk_ids, inputs[rank].topk_weights)
+            x_buf = comm.dispatch_input_buffer()
+            if tuple(x_buf.shape) != (cfg.max_tokens_per_rank, cfg.hidden) or x_buf.dtype != cfg.dtype:
+                problems.append(f"input buffer shape {tuple(x_buf.shape)} dtype {x_buf.dtype}")
+                continue
+            x = x_buf[: inputs[rank].x.shape[0]]
+            x.copy_(inputs[rank].x)
+            d = comm.dispatch(x, inputs[rank].topk_ids, inputs[rank].topk_weights)
+            problems += oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])
             buf = comm.expert_output_buffer(d)
             expected_shape = tuple(d.x.shape[:2]) + (cfg.hidden,) if layout == "batched" else (d.x.shape[0], cfg.hidden)
             if tuple(buf.shape) != expected_shape or buf.dtype != cfg.dtype:
@@ -403,10 +410,11 @@ def expert_output_buffer_worker(backend: str, layout: str, zero_copy: bool) -> l
 
 @pytest.mark.parametrize("backend,layout,zero_copy", [("naive", "standard", False), ("ag_rs", "batched", False),
                                                       ("ag_rs", "standard", True)])
-def test_expert_output_buffer_gives_every_backend_a_tensor_to_write_expert_outputs_into(backend, layout, zero_copy):
-    """Without a pulling combine it is a new tensor of expert_out's shape: the same engine code runs on
-    every backend (the kernel backends' in-place buffer is tested on GPUs)."""
-    for problems in raise_on_failure(spawn_local(expert_output_buffer_worker, 2, (backend, layout, zero_copy),
+def test_buffer_helpers_give_every_backend_tensors_to_write_inputs_and_expert_outputs_into(backend, layout, zero_copy):
+    """Off the kernel backends' zero copy, ``dispatch_input_buffer`` is a new ``[max_tokens, hidden]``
+    tensor and ``expert_output_buffer`` a new tensor of expert_out's shape: the same engine code runs
+    on every backend (the kernel backends' in-place buffers are tested on GPUs)."""
+    for problems in raise_on_failure(spawn_local(buffer_helpers_worker, 2, (backend, layout, zero_copy),
                                                  timeout_s=120, extra_env=lambda r: CPU_ONLY)):
         assert problems == [], "\n".join(problems)
 

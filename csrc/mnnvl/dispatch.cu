@@ -155,12 +155,15 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
   __syncwarp();
   if (kQuant >= 0) {
     // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle pieces
-    const QuantIn* src = static_cast<const QuantIn*>(p.x) + static_cast<int64_t>(t) * p.c.lay.hidden + lo;
+    const QuantIn* src =
+        reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes) + lo;
     warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
                                   lane);
   } else {
-    const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.payload_bytes + lo;
-    warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
+    const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
+    // zero copy with x already in this rank's own rows (Communicator.dispatch_input_buffer): the own
+    // share's destination is the source itself, nothing to move
+    if (nd > 1 || dst[0] != src) warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
     if (lo == 0 && p.scale_bytes > 0) {
       const uint8_t* ssrc = static_cast<const uint8_t*>(p.x_scales) + static_cast<int64_t>(t) * p.scale_bytes;
       warp_copy_multi<false>(ssrc, dst_s, nd, p.scale_bytes, lane);

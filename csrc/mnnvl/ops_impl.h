@@ -48,6 +48,19 @@ inline at::Tensor aligned(const at::Tensor& t) {
   return c;
 }
 
+// Rows 16-byte aligned and contiguous within, any row pitch that keeps them aligned: a row-strided
+// view (the dispatch input written into the communicator's buffer) is used where it lies.
+inline at::Tensor aligned_rows(const at::Tensor& t) {
+  const bool rows_ok = t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1) &&
+                       (t.stride(0) * t.element_size()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return rows_ok ? t : aligned(t);
+}
+
+inline int64_t row_pitch_bytes(const at::Tensor& t) {
+  return t.dim() == 2 && t.size(0) > 1 ? t.stride(0) * t.element_size() : t.size(-1) * t.element_size();
+}
+
 namespace EP_KERNELS {
 
 inline Common common(const at::Tensor& state, const at::Tensor& peer_base, const std::vector<int64_t>& cfg) {
@@ -148,7 +161,7 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   const int64_t k = L.top_k;
   const int64_t N = static_cast<int64_t>(L.world) * L.max_tokens;
   TORCH_CHECK(T <= L.max_tokens && topk_ids.size(0) == T && topk_ids.size(1) == k, "ep_comm: bad dispatch shapes");
-  at::Tensor xc = aligned(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
+  at::Tensor xc = aligned_rows(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
   at::Tensor sc = x_scales.has_value() && cfg[kCfgQuantFp8] == 0 ? aligned(*x_scales) : at::Tensor();
   const RowShape r = row_shape(x, x_scales, cfg);
   set_dispatch_shape(p, r, T, cfg, work);
@@ -171,6 +184,7 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
 
   p.expert_owner = expert_owner.data_ptr<int32_t>();
   p.x = xc.data_ptr();
+  p.x_row_bytes = row_pitch_bytes(xc);
   p.ids = ids.data_ptr();
   p.weights = w.data_ptr<float>();
   p.x_scales = sc.defined() ? sc.data_ptr() : nullptr;

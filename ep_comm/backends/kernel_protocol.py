@@ -81,6 +81,17 @@ def describe_code(code: int) -> str:
     return f"{OP_NAMES.get(code & 3, 'op ' + str(code & 3))} #{code >> 2}"
 
 
+def latest_code(*codes: int) -> int:
+    """The code of the latest call among ``codes`` (0 = none; seq compared modulo its 30-bit wrap, as the
+    kernels do)."""
+    best = 0
+    for c in codes:
+        c &= 0xFFFFFFFF
+        if c and (not best or 0 < ((c >> 2) - (best >> 2)) % (1 << 30) < (1 << 29)):
+            best = c
+    return best
+
+
 def _align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 

@@ -177,6 +177,7 @@ class MnnvlBackend:
         return d, receive
 
     def _dispatch(self, x, topk_ids, topk_weights, x_scales, epoch: int, phases: int) -> Dispatched:
+        x = self._apart_from_buffer(x)
         out_x, out_s, row_ids, row_w, row_slot, counts, dest = self._dispatch_op(
             x, topk_ids, topk_weights, x_scales, self.state, self.work, self.peer_base, self.expert_owner, self.cfg_vec,
             phases)
@@ -204,6 +205,33 @@ class MnnvlBackend:
             nbytes = like.shape[-1] * like.element_size()
             view = self._zero_copy_views[key] = rows[:, offset: offset + nbytes].view(like.dtype)
         return view
+
+    def dispatch_input_buffer(self) -> Optional[torch.Tensor]:
+        """Zero copy without fp8 quantisation: this rank's own rows of dispatch half 0 as
+        ``[max_tokens_per_rank, hidden]`` of ``cfg.dtype`` (row-strided).  A dispatch of its first T rows
+        sends them from where they lie and moves no own rows (they are ``Dispatched.x``'s own rows
+        already).  None otherwise."""
+        cfg = self.ctx.cfg
+        if not self.zero_copy or cfg.quant is not None:
+            return None
+        like = torch.empty(0, cfg.hidden, dtype=cfg.dtype)
+        m = cfg.max_tokens_per_rank
+        return self._rows_in_buffer(self.layout.meta_bytes, like)[self.ctx.rank * m: (self.ctx.rank + 1) * m]
+
+    def _apart_from_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` unless it overlaps this rank's buffer other than as the in-place input: the kernel
+        writes the own rows while other warps still read x, so any other overlap goes as a copy."""
+        if x.numel() == 0:
+            return x
+        buf, n = self.buffer.local, x.shape[0]
+        start = x.data_ptr()
+        end = start + ((n - 1) * x.stride(0) + x.shape[1]) * x.element_size()
+        if end <= buf.data_ptr() or start >= buf.data_ptr() + buf.numel():
+            return x
+        rows = self.dispatch_input_buffer()
+        in_place = (rows is not None and start == rows.data_ptr() and x.dtype == rows.dtype
+                    and x.shape[1] == rows.shape[1] and x.stride(1) == 1 and (n == 1 or x.stride(0) == rows.stride(0)))
+        return x if in_place else x.clone(memory_format=torch.contiguous_format)
 
     @property
     def combine_pulls(self) -> bool:
@@ -288,10 +316,19 @@ class MnnvlBackend:
         words.zero_()
         raise self._error_from(report)
 
+    def _last_signalled(self, rep: kp.StatusReport) -> list[int]:
+        """Per rank, the latest call code it wrote into this rank's flags (either parity) or the one the
+        kernel saw when it flagged the rank: the slot a wait read may hold a call from two calls ago, or
+        nothing, when the peer stopped one call earlier."""
+        world, off = self.ctx.world_size, self.layout.flags_offset
+        slots = self.buffer.local[off: off + 2 * world * 8].view(torch.int64).view(2, world).tolist()
+        return [kp.latest_code(rep.seen[r], slots[0][r], slots[1][r]) for r in range(world)]
+
     def _error_from(self, rep: kp.StatusReport) -> EPError:
         me, t = self.ctx.rank, self.ctx.cfg.timeout_s
         expected = kp.describe_code(rep.expected_code)
-        seen = lambda ranks: "; ".join(f"rank {r} last signalled {kp.describe_code(rep.seen[r])}" for r in ranks)  # noqa: E731
+        last = self._last_signalled(rep)
+        seen = lambda ranks: "; ".join(f"rank {r} last signalled {kp.describe_code(last[r])}" for r in ranks)  # noqa: E731
         if rep.local_stall:
             fatal: EPError = EPError(f"rank {me}: {self.name} kernel blocks were not all resident within timeout_s={t:g} "
                                      f"(num_sms={self.num_sms} too large while other kernels hold the GPU?)")

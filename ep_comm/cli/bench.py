@@ -39,8 +39,8 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPConfigError, EPTopologyError
 from . import DTYPES, default_backends, resolve_backend_request
-from .bench_measure import HALF_OPS, OracleGate, bench_config, eager_queued, make_sets, percentiles, remote_sends, \
-    time_baseline, time_eager, time_graph, time_hooks_eager, time_hooks_graph
+from .bench_measure import HALF_OPS, OracleGate, bench_config, eager_queued, input_in_place, make_sets, percentiles, \
+    remote_sends, time_baseline, time_eager, time_graph, time_hooks_eager, time_hooks_graph
 from .bench_report import Reporter, device_name
 from .launcher import RankEnv, agree_exit_code, gather_objects, launch_gap_us, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-copy", action="store_true",
                    help="EPConfig.zero_copy for the standard layout's rows: the kernel backends return the received "
                         "rows as views of their buffer instead of copying them out (batched rows ignore it)")
+    p.add_argument("--dispatch-input", choices=("buffer", "tensor"), default="buffer",
+                   help="with --zero-copy on the kernel backends: buffer (default) writes x into "
+                        "Communicator.dispatch_input_buffer() before timing, so dispatch sends it from where it lies "
+                        "and copies no own rows; tensor passes x as a tensor of its own")
     p.add_argument("--eager-launch", choices=("queued", "idle"), default="queued",
                    help="eager mode on GPUs: queued (default) issues each call while the GPU is still busy, as an "
                         "engine's stream is and as graph replays are timed, so p50 is device time and host_us the "
@@ -240,6 +244,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                                 halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
                     pulls = bool(getattr(getattr(comm, "_impl", None), "combine_pulls", False))
+                    in_place = input_in_place(comm, args)
                     agreement = _agreement(comm)
                 finally:
                     with phases("close"):
@@ -267,6 +272,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                         "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
                         "phase_s": row_phases,
                         "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
+                        "input_in_place": in_place,  # dispatch read x from the communicator's buffer
                     })
                     if host:  # eager: the host's own time per whole call, max over ranks of its p50
                         rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)

@@ -88,6 +88,7 @@ class Reporter:
                 "hosts": env.topology.num_hosts, "mode": args.mode, "routing": args.routing, "quant": args.quant,
                 "validate_ids": getattr(args, "validate_ids", "on"), "recv_hook": recv_hook,
                 "zero_copy": bool(getattr(args, "zero_copy", False)),
+                "dispatch_input": getattr(args, "dispatch_input", "buffer"),
                 # how eager calls were issued to the GPU (None: graph mode, or CPU ranks, where it means nothing)
                 "eager_launch": (getattr(args, "eager_launch", "queued")
                                  if args.mode == "eager" and env.device.type == "cuda" else None),

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="max tokens per rank (default: 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--zero-copy", action="store_true",
-                   help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed)")
+                   help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed; every "
+                        "other iteration writes x into Communicator.dispatch_input_buffer())")
     p.add_argument("--keep-going", action="store_true", help="run every iteration even after a mismatch")
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: one wrong combine
     # tests: the last rank raises a plain Python exception between a dispatch and its combine
@@ -254,7 +255,12 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         problems: list[str] = []
         t0 = time.perf_counter()
         try:
-            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+            x = mine.x
+            if comm.cfg.zero_copy and case.iteration % 2 and x.dtype == comm.cfg.dtype:
+                # every other iteration x is written into the input buffer (kernel backends: sent in place)
+                x = comm.dispatch_input_buffer()[: x.shape[0]]
+                x.copy_(mine.x)
+            d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
             problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
             if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
                 raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "

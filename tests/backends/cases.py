@@ -96,11 +96,31 @@ def combine(comm, hooks: bool, expert_out, d):
     return y
 
 
+INPUT_IN_PLACE_ENV = "EP_COMM_TEST_INPUT_IN_PLACE"
+
+
+def input_in_place(on: bool) -> None:
+    """Dispatches of ``cfg.dtype`` payloads write x into ``comm.dispatch_input_buffer()`` and pass its
+    first T rows (set in the spawned rank)."""
+    os.environ[INPUT_IN_PLACE_ENV] = "1" if on else "0"
+
+
+def placed_input(comm, x: torch.Tensor) -> torch.Tensor:
+    """``x`` written into the communicator's dispatch input buffer when ``input_in_place`` is on (and x
+    is of ``cfg.dtype``), else ``x``."""
+    if os.environ.get(INPUT_IN_PLACE_ENV) != "1" or x.dtype != comm.cfg.dtype:
+        return x
+    buf = comm.dispatch_input_buffer()[: x.shape[0]]
+    buf.copy_(x)
+    return buf
+
+
 def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict, hooks: bool = False) -> list[str]:
     quant, kind, swidth = PAYLOADS[payload]
     inputs = oracle.random_inputs(cfg, world, seed, payload=kind, scales_width=swidth, **spec)
     mine = inputs[rank].to(comm.device)
-    d = dispatch(comm, hooks, mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+    x = placed_input(comm, mine.x)
+    d = dispatch(comm, hooks, x, mine.topk_ids, mine.topk_weights, mine.x_scales)
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
     expert_out = oracle.run_experts(cfg, rank, world, d)  # padding rows/slots are NaN
     y = combine(comm, hooks, expert_out, d)
@@ -166,7 +186,7 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
         tokens = [cfg.max_tokens_per_rank - r for r in range(world)]  # fixed T per rank, differing
         with ep_comm.Communicator(cfg, device=device) as comm:
             first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
-            x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
+            x_s, ids_s, w_s = placed_input(comm, first.x.clone()), first.topk_ids.clone(), first.topk_weights.clone()
             # eager warm-up (the same calls) initialises NCCL communicators and cuBLAS outside the capture
             d = dispatch(comm, hooks, x_s, ids_s, w_s)
             combine(comm, hooks, graph_experts(cfg, rank, world, d), d)
@@ -202,10 +222,11 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
 
 
 # -- zero copy (standard layout): the rows are views of the receive buffer -------------------------------
-def zero_copy_case_names(backend: str) -> list[str]:
-    """The keys ``zero_copy_matrix`` reports for ``backend``: the standard matrix and the views check."""
+def zero_copy_case_names(backend: str, in_place: bool = False) -> list[str]:
+    """The keys ``zero_copy_matrix`` reports for ``backend``: the standard matrix and the views check
+    (``in_place``: and the input buffer's check)."""
     return [f"{backend}/standard/{p}/{s}" for p in PAYLOADS for s in scenarios(2, 16)] + \
-        [f"{backend}/standard/zero_copy_views"]
+        [f"{backend}/standard/zero_copy_views"] + ([f"{backend}/standard/input_in_place"] if in_place else [])
 
 
 def force_pull(pull: bool) -> None:
@@ -214,11 +235,13 @@ def force_pull(pull: bool) -> None:
     os.environ[kp.COMBINE_PULL_ENV] = "1" if pull else "0"
 
 
-def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True) -> dict:
+def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True, in_place: bool = False) -> dict:
     """The standard matrix with ``zero_copy=True`` (repeated: every call reuses the one half of the
     buffer), then: the returned rows are views of this rank's buffer, and a second dispatch before the
-    combine of the first is refused on every rank.  Combines pull unless ``pull`` is False."""
+    combine of the first is refused on every rank.  Combines pull unless ``pull`` is False;
+    ``in_place``: x is written into ``dispatch_input_buffer`` (and that buffer is checked)."""
     force_pull(pull)
+    input_in_place(in_place)
     results = backend_matrix(backends, ("standard",), 2, hooks, zero_copy=True)
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
@@ -260,7 +283,46 @@ def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True
                                  oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
             problems += _expert_output_buffer_problems(comm, cfg, world, rank, hooks)
         results[f"{backend}/standard/zero_copy_views"] = problems
+        if in_place:
+            results[f"{backend}/standard/input_in_place"] = _input_buffer_problems(backend, world, rank, device, hooks)
     return results
+
+
+def _input_buffer_problems(backend: str, world: int, rank: int, device, hooks: bool) -> list[str]:
+    """``dispatch_input_buffer`` with zero copy: this rank's own rows of the receive buffer, the same
+    every call, which the dispatch's own rows then are; x overlapping it any other way (shifted by a
+    row) is still dispatched right; with fp8 quantisation it is a tensor of its own."""
+    problems: list[str] = []
+    cfg = make_cfg(world, backend, "standard", None, zero_copy=True)
+    m = cfg.max_tokens_per_rank
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        local = comm._impl.buffer.local
+        inside = lambda t: local.data_ptr() <= t.data_ptr() < local.data_ptr() + local.numel()  # noqa: E731
+        buf = comm.dispatch_input_buffer()
+        if tuple(buf.shape) != (m, cfg.hidden) or buf.dtype != cfg.dtype or not inside(buf):
+            return [f"input buffer: shape {tuple(buf.shape)} dtype {buf.dtype} inside the buffer {inside(buf)}"]
+        for seed, shift in ((61, 0), (62, 1), (63, 0)):
+            tokens = [m - 1] * world  # room for the shifted case
+            inputs = oracle.random_inputs(cfg, world, seed, tokens=tokens)
+            mine = inputs[rank].to(comm.device)
+            x = buf[shift: shift + mine.x.shape[0]]
+            x.copy_(mine.x)
+            d = dispatch(comm, hooks, x, mine.topk_ids, mine.topk_weights)
+            own = d.x[rank * m: (rank + 1) * m]
+            if shift == 0 and own.data_ptr() != buf.data_ptr():
+                problems.append(f"seed {seed}: the dispatch's own rows are not the input buffer")
+            problems += [f"seed {seed} shift {shift} dispatch: {p}" for p in
+                         oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
+            y = combine(comm, hooks, oracle.run_experts(cfg, rank, world, d), d)
+            problems += [f"seed {seed} shift {shift} combine: {p}" for p in
+                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+        if comm.dispatch_input_buffer().data_ptr() != buf.data_ptr():
+            problems.append("the input buffer moved between calls")
+    with ep_comm.Communicator(make_cfg(world, backend, "standard", "fp8", zero_copy=True), device=device) as comm:
+        local = comm._impl.buffer.local
+        if local.data_ptr() <= comm.dispatch_input_buffer().data_ptr() < local.data_ptr() + local.numel():
+            problems.append("fp8: the input buffer is inside the receive buffer (the quantised rows would overwrite it)")
+    return problems
 
 
 def zero_copy_matrix_pushing(backends=("mnnvl",)) -> dict:
@@ -351,18 +413,22 @@ def wide_rows_case_names(backend: str) -> list[str]:
     return [f"wide/{backend}/standard/{p}/{s}" for p in PAYLOADS for s in scenarios(2, 16)]
 
 
-def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool = True) -> dict:
+def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool = True, in_place: bool = False) -> dict:
     """The standard matrix with rows wide enough to go in several pieces (hidden = WIDE_HIDDEN; the
-    other cases' 512-byte rows go whole), keyed ``wide/...``.  Zero-copy combines pull."""
+    other cases' 512-byte rows go whole), keyed ``wide/...``.  Zero-copy combines pull; ``in_place``:
+    x is written into ``dispatch_input_buffer``."""
     force_pull(True)
+    input_in_place(in_place)
     res = backend_matrix(backends, ("standard",), 1, hooks, zero_copy=zero_copy, hidden=WIDE_HIDDEN)
     return {f"wide/{k}": v for k, v in res.items()}
 
 
-def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False) -> dict:
+def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False, in_place: bool = False) -> dict:
     """``graph_capture`` of the standard layout with ``zero_copy=True``: replays read the rows in place
-    and combines pull."""
+    and combines pull; ``in_place``: the captured x is ``dispatch_input_buffer``'s rows, rewritten
+    before each replay."""
     force_pull(True)
+    input_in_place(in_place)
     return graph_capture(backends, ("standard",), 3, hooks, zero_copy=True)
 
 

@@ -176,6 +176,15 @@ def test_flag_codes_round_trip():
     assert kp.describe_code(0) == "nothing yet"
 
 
+def test_latest_code_picks_the_later_call_across_the_seq_wrap():
+    d5, c6 = (5 << 2) | 1, (6 << 2) | 2
+    assert kp.latest_code(0, 0) == 0
+    assert kp.latest_code(d5, 0, c6) == c6 and kp.latest_code(c6, d5) == c6
+    wrapped = (0 << 2) | 1  # seq 2**30 wraps to 0: still after seq 2**30 - 1
+    assert kp.latest_code(((1 << 30) - 1) << 2 | 2, wrapped) == wrapped
+    assert kp.latest_code((1 << 32) | d5) == d5  # the token count in the high word is not part of it
+
+
 def _cpu_mnnvl_worker() -> tuple[str, str]:
     ep_comm.init_distributed()
     cfg = ep_comm.EPConfig(num_experts=4, top_k=2, hidden=64, max_tokens_per_rank=4, backend="mnnvl")

@@ -117,6 +117,30 @@ def test_zero_copy_rows_in_several_pieces_with_recv_hooks(case):
     _assert_clean(case, "zero_copy_wide_hooks", cases.wide_rows_matrix, ("mnnvl",), True)
 
 
+# x written into dispatch_input_buffer: the own rows are sent from where they lie and never copied
+IN_PLACE = cases.zero_copy_case_names("mnnvl", in_place=True)
+
+
+@pytest.mark.parametrize("case", IN_PLACE)
+def test_zero_copy_input_in_place_matches_oracle(case):
+    _assert_clean(case, "in_place", cases.zero_copy_matrix, ("mnnvl",), False, True, True)
+
+
+@pytest.mark.parametrize("case", IN_PLACE)
+def test_zero_copy_input_in_place_with_recv_hooks(case):
+    _assert_clean(case, "in_place_hooks", cases.zero_copy_matrix, ("mnnvl",), True, True, True)
+
+
+@pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
+def test_zero_copy_input_in_place_under_cuda_graphs(case):
+    _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("mnnvl",), False, True)
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+def test_zero_copy_input_in_place_in_several_pieces(case):
+    _assert_clean(case, "in_place_wide", cases.wide_rows_matrix, ("mnnvl",), False, True, True)
+
+
 def hook_misuse_worker() -> list[str]:
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank

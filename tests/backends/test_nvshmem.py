@@ -131,6 +131,29 @@ def test_zero_copy_rows_in_several_pieces_in_put_mode(case):
     _assert_clean(case, "zero_copy_wide_put", cases.wide_rows_matrix, ("nvshmem",), env=PUT)
 
 
+IN_PLACE = cases.zero_copy_case_names("nvshmem", in_place=True)
+
+
+@pytest.mark.parametrize("case", IN_PLACE)
+def test_zero_copy_input_in_place_matches_oracle(case):
+    _assert_clean(case, "in_place", cases.zero_copy_matrix, ("nvshmem",), False, True, True)
+
+
+@pytest.mark.parametrize("case", IN_PLACE)
+def test_zero_copy_input_in_place_in_put_mode(case):
+    _assert_clean(case, "in_place_put", cases.zero_copy_matrix, ("nvshmem",), False, True, True, env=PUT)
+
+
+@pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
+def test_zero_copy_input_in_place_under_cuda_graphs(case):
+    _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("nvshmem",), False, True)
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+def test_zero_copy_input_in_place_in_several_pieces(case):
+    _assert_clean(case, "in_place_wide", cases.wide_rows_matrix, ("nvshmem",), False, True, True)
+
+
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
     timeout_s = 3.0
     results = _spawn(skip_worker, timeout_s, "nvshmem", timeout_s=120)
