@@ -43,6 +43,9 @@ def _phases(stamps: torch.Tensor, op: int, world: int) -> dict[str, float]:
     else:
         names[kp.TR_SOURCE0] = "flags seen"
     out = {"start spread": float((blocks[:, kp.TR_START].max() - t0) / 1e3)}
+    sent = blocks[:, kp.TR_SENT]
+    if (sent > 0).any():  # the first block done sending: with "sent" (the last), the blocks' imbalance
+        out["sent (first block)"] = float((sent[sent > 0].min() - t0) / 1e3)
     for slot, name in names.items():
         col = blocks[:, slot]
         col = col[col > 0]
@@ -59,15 +62,21 @@ def _median(rows: list[dict[str, float]]) -> dict[str, float]:
 def _one_shape(env, args, layout: str, tokens: int) -> dict:
     cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
                            max_tokens_per_rank=tokens, dtype=torch.bfloat16, layout=layout, backend="mnnvl",
-                           quant=args.quant, num_sms=args.num_sms)
+                           quant=args.quant, num_sms=args.num_sms, zero_copy=args.zero_copy and layout == "standard")
     comm = ep_comm.Communicator(cfg)
     backend = comm._impl
     if backend.trace is None:
         raise RuntimeError(f"{TRACE_ENV}=1 did not reach the backend")
     inp = oracle.random_inputs(cfg, env.world_size, seed=7, tokens=[tokens] * env.world_size)[env.rank].to(env.device)
-    d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)  # warm-up, and the shapes
+    x = inp.x
+    if cfg.zero_copy:  # x and the expert outputs where the zero-copy calls read them in place
+        x = comm.dispatch_input_buffer()[:tokens]
+        x.copy_(inp.x)
+    d = comm.dispatch(x, inp.topk_ids, inp.topk_weights)  # warm-up, and the shapes
     eo = torch.randn((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device) if layout == "standard" \
         else torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
+    if cfg.zero_copy:
+        eo = comm.expert_output_buffer(d).copy_(eo)
     out = torch.empty((tokens, cfg.hidden), dtype=cfg.dtype, device=env.device)
     comm.combine(eo, d, out=out)
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -75,7 +84,7 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(gd, stream=stream):
-            dg = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
+            dg = comm.dispatch(x, inp.topk_ids, inp.topk_weights)
         with torch.cuda.graph(gc, stream=stream):
             comm.combine(eo, dg, out=out)
     torch.cuda.synchronize()
@@ -127,6 +136,9 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--quant", default=None, choices=[None, "fp8"])
     p.add_argument("--num-sms", type=int, default=None)
+    p.add_argument("--zero-copy", action="store_true",
+                   help="standard layout with EPConfig.zero_copy, x in dispatch_input_buffer, expert outputs in "
+                        "expert_output_buffer")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
