@@ -172,6 +172,44 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
   __syncwarp();
 }
 
+// Zero copy, standard layout: the local ids and weights of received row ``row_index`` (its header and
+// meta at ``row``; ``live``: below the source's token count), by one lane.  A row of another call or
+// of another width is dropped (-1), the latter recorded as a format error.
+__device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const uint8_t* row, int64_t row_index,
+                                                 bool live, uint32_t code, int src, const ErrorSink& err) {
+  const int k = p.c.lay.top_k, nl = p.c.lay.num_local;
+  bool valid = false;
+  if (live) {
+    const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
+    valid = static_cast<uint32_t>(h.x) == code;
+    if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
+      err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
+      err.count(kStatusRowFormat, 1);
+      valid = false;
+    }
+  }
+  const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+  const float* weights = reinterpret_cast<const float*>(meta + k);
+  for (int j0 = 0; j0 < k; j0 += 8) {
+    int lid[8];
+    float w[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // every load of the group before any store (which may alias them)
+      const bool here = valid && j0 + u < k;
+      lid[u] = here ? __ldcg(meta + j0 + u) : -1;
+      w[u] = here ? __ldcg(weights + j0 + u) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (j0 + u >= k) break;
+      // never trust an id from another process: out of range means dropped
+      const bool keep = lid[u] >= 0 && lid[u] < nl;
+      p.row_ids[row_index * k + j0 + u] = keep ? lid[u] : -1;
+      p.row_w[row_index * k + j0 + u] = keep ? w[u] : 0.f;
+    }
+  }
+}
+
 __device__ __forceinline__ bool wait_u32(const uint32_t* p, uint32_t want, uint64_t deadline, const ErrorSink& err) {
   uint32_t spins = 0;
   while (true) {
@@ -384,6 +422,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
       for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
         place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
+    } else if (L.zero_copy) {
+      // the payload stays where it landed: only the ids and weights of each row, one row per lane (a
+      // warp per row would wait out a dependent header -> meta -> store chain for every row)
+      const uint8_t* region =
+          own_buf + L.dispatch_offset[0] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+      for (int64_t t = static_cast<int64_t>(gwarp) * 32 + lane; t < L.max_tokens; t += static_cast<int64_t>(nwarps) * 32)
+        receive_row_meta(p, region + t * L.row_stride, static_cast<int64_t>(src) * L.max_tokens + t, t < src_tokens,
+                         code, src, err);
     } else {
       const uint8_t* region =
           own_buf + L.dispatch_offset[data_half] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
