@@ -55,7 +55,8 @@ class EPConfig:
     ``max_tokens_per_rank >= 512``, ``combine`` also works in place: each rank reads its tokens'
     expert outputs from the experts' ranks while summing (no partials written to the token's rank
     and read back); write them into ``Communicator.expert_output_buffer(d)`` to save combine
-    copying them there.  The collective backends' standard ``x`` is a view of the gathered data
+    copying them there, and write ``x`` into ``Communicator.dispatch_input_buffer()`` to save dispatch
+    copying this rank's own rows.  The collective backends' standard ``x`` is a view of the gathered data
     already; they accept the flag and change nothing.
     """
 

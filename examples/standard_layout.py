@@ -8,9 +8,11 @@ run the row's *local* experts (``d.topk_ids`` in ``[0, L)``, -1 = expert on anot
 weight them with ``d.topk_weights`` and sum.  ``combine`` then adds the rows of every rank the token
 went to.  Rows whose ids are all -1 are padding; combine ignores whatever they hold.
 
-The expert outputs go into ``comm.expert_output_buffer(d)``: with ``--zero-copy`` on the kernel
-backends (GPUs on NVLink) and from 512 tokens per rank, that is the communicator's own buffer and
-combine reads it in place; everywhere else it is a plain tensor, so the code is the same.
+The tokens go into ``comm.dispatch_input_buffer()`` and the expert outputs into
+``comm.expert_output_buffer(d)``: with ``--zero-copy`` on the kernel backends (GPUs on NVLink) those
+are the communicator's own buffer, so dispatch sends x from where it lies and (from 512 tokens per
+rank) combine reads the expert outputs in place; everywhere else they are plain tensors, so the code
+is the same.
 """
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ def run(args: argparse.Namespace) -> float:
     weights = torch.softmax(vals, dim=-1)
 
     with ep_comm.Communicator(cfg) as comm:
-        d = comm.dispatch(x, ids, weights)
+        x_in = comm.dispatch_input_buffer()[: x.shape[0]]  # the layer before would write its output here
+        x_in.copy_(x)
+        d = comm.dispatch(x_in, ids, weights)
         first = rank * comm.num_local_experts
         out = torch.zeros(d.x.shape[0], args.hidden, device=device)  # float32 accumulation per row
         for e in range(comm.num_local_experts):
