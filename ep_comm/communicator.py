@@ -227,7 +227,8 @@ class Communicator:
         rows of the receive buffer, row-strided, the same tensor every time: ``dispatch(buf[:T], ...)``
         sends the rows from where they lie and copies none of them (they become ``Dispatched.x``'s own
         rows).  Write them only after this rank's previous ``combine`` (stream order) and leave them
-        until this dispatch's ``combine``.  Elsewhere this is a new tensor.
+        until this dispatch's ``combine``; only the first T rows are read.  Elsewhere (fp8, other
+        backends, no zero copy) each call allocates a new tensor, so keep the one you got.
         """
         self._check_open()
         rows = getattr(self._impl, "dispatch_input_buffer", lambda: None)()

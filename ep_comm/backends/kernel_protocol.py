@@ -87,7 +87,7 @@ def latest_code(*codes: int) -> int:
     best = 0
     for c in codes:
         c &= 0xFFFFFFFF
-        if c and (not best or 0 < ((c >> 2) - (best >> 2)) % (1 << 30) < (1 << 29)):
+        if c and (not best or 0 < ((c >> 2) - (best >> 2)) % (1 << 30) < (1 << 29) - 1):
             best = c
     return best
 

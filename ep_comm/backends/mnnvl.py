@@ -72,6 +72,7 @@ class MnnvlBackend:
                                         self._mapped.device_ptr)
         self.zero_copy = bool(self.cfg_vec[kp.ZERO_COPY])
         self._zero_copy_views: dict = {}
+        self._input_rows: Optional[torch.Tensor] = None  # dispatch_input_buffer's view, made once
         # zero copy: combine reads the peers' expert rows in place (one pass over NVLink, no partials
         # written and read back).  Every rank must run the same protocol: everything the layout's
         # answer depends on is a shared setting the communicator checked ($EP_COMM_COMBINE_PULL too)
@@ -214,14 +215,18 @@ class MnnvlBackend:
         cfg = self.ctx.cfg
         if not self.zero_copy or cfg.quant is not None:
             return None
-        like = torch.empty(0, cfg.hidden, dtype=cfg.dtype)
-        m = cfg.max_tokens_per_rank
-        return self._rows_in_buffer(self.layout.meta_bytes, like)[self.ctx.rank * m: (self.ctx.rank + 1) * m]
+        if self._input_rows is None:
+            like = torch.empty(0, cfg.hidden, dtype=cfg.dtype)
+            m = cfg.max_tokens_per_rank
+            self._input_rows = self._rows_in_buffer(self.layout.meta_bytes, like)[self.ctx.rank * m: (self.ctx.rank + 1) * m]
+        return self._input_rows
 
     def _apart_from_buffer(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` unless it overlaps this rank's buffer other than as the in-place input: the kernel
-        writes the own rows while other warps still read x, so any other overlap goes as a copy."""
-        if x.numel() == 0:
+        writes the own rows while other warps still read x, so any other overlap goes as a copy.
+        Without zero copy no view of the buffer is ever handed out (and the pointer arithmetic would
+        not trace under torch.compile)."""
+        if not self.zero_copy or x.numel() == 0:
             return x
         buf, n = self.buffer.local, x.shape[0]
         start = x.data_ptr()
@@ -322,7 +327,9 @@ class MnnvlBackend:
         nothing, when the peer stopped one call earlier."""
         world, off = self.ctx.world_size, self.layout.flags_offset
         slots = self.buffer.local[off: off + 2 * world * 8].view(torch.int64).view(2, world).tolist()
-        return [kp.latest_code(rep.seen[r], slots[0][r], slots[1][r]) for r in range(world)]
+        # a format error records the peer's row width, not a code
+        seen = [0 if rep.reasons[r] & kp.REASON_FORMAT else rep.seen[r] for r in range(world)]
+        return [kp.latest_code(seen[r], slots[0][r], slots[1][r]) for r in range(world)]
 
     def _error_from(self, rep: kp.StatusReport) -> EPError:
         me, t = self.ctx.rank, self.ctx.cfg.timeout_s

@@ -131,7 +131,7 @@ def test_zero_copy_input_in_place_with_recv_hooks(case):
     _assert_clean(case, "in_place_hooks", cases.zero_copy_matrix, ("mnnvl",), True, True, True)
 
 
-@pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
+@pytest.mark.parametrize("case", ["mnnvl/standard/bf16"])  # (fp8: the input buffer is a tensor of its own)
 def test_zero_copy_input_in_place_under_cuda_graphs(case):
     _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("mnnvl",), False, True)
 

@@ -144,7 +144,7 @@ def test_zero_copy_input_in_place_in_put_mode(case):
     _assert_clean(case, "in_place_put", cases.zero_copy_matrix, ("nvshmem",), False, True, True, env=PUT)
 
 
-@pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
+@pytest.mark.parametrize("case", ["nvshmem/standard/bf16"])  # (fp8: the input buffer is a tensor of its own)
 def test_zero_copy_input_in_place_under_cuda_graphs(case):
     _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("nvshmem",), False, True)
 
