@@ -1,0 +1,79 @@
+"""The mnnvl backend's host-side decisions on CPU (no kernels): which dispatch inputs are sent in place,
+which are copied first, and what a timeout message says a peer last signalled.  The buffer is a plain
+CPU tensor laid out as the GPU's would be."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+import ep_comm
+from ep_comm.backends import kernel_protocol as kp
+from ep_comm.backends.mnnvl import MnnvlBackend
+
+WORLD, RANK = 2, 1
+
+
+def _backend(zero_copy: bool = True, quant=None) -> MnnvlBackend:
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=4, hidden=128, max_tokens_per_rank=8, zero_copy=zero_copy, quant=quant)
+    layout = kp.BufferLayout.for_config(cfg, WORLD)
+    b = object.__new__(MnnvlBackend)  # the host-side state only: no device, no kernels
+    b.ctx = types.SimpleNamespace(cfg=cfg, rank=RANK, world_size=WORLD)
+    b.buffer = types.SimpleNamespace(local=torch.zeros(layout.nbytes, dtype=torch.uint8))
+    b.layout, b.zero_copy, b._zero_copy_views, b._input_rows = layout, zero_copy, {}, None
+    return b
+
+
+def test_the_input_buffer_is_this_ranks_own_rows_of_dispatch_half_0():
+    b = _backend()
+    lay, cfg = b.layout, b.ctx.cfg
+    rows = b.dispatch_input_buffer()
+    assert rows is b.dispatch_input_buffer()  # one view, every call
+    assert tuple(rows.shape) == (cfg.max_tokens_per_rank, cfg.hidden) and rows.dtype == cfg.dtype
+    assert rows.stride() == (lay.row_stride // cfg.dtype.itemsize, 1)
+    own_first_row = lay.dispatch_offset[0] + RANK * cfg.max_tokens_per_rank * lay.row_stride
+    assert rows.data_ptr() == b.buffer.local.data_ptr() + own_first_row + lay.meta_bytes
+    assert _backend(quant="fp8").dispatch_input_buffer() is None  # the quantised rows would overwrite x
+    assert _backend(zero_copy=False).dispatch_input_buffer() is None
+
+
+def test_only_a_prefix_of_the_input_buffer_is_sent_in_place():
+    b = _backend()
+    rows = b.dispatch_input_buffer()
+    rows.copy_(torch.randn(rows.shape).to(rows.dtype))
+    for x in (rows, rows[:5], rows[:1], rows[:0]):
+        assert b._apart_from_buffer(x) is x
+    outside = torch.randn(5, rows.shape[1]).to(rows.dtype)
+    assert b._apart_from_buffer(outside) is outside
+    local = b.buffer.local
+    peer_rows = b._rows_in_buffer(b.layout.meta_bytes, rows)[: rows.shape[0]]  # rank 0's rows, same buffer
+    as_bytes = local[: 2 * rows.shape[1]].view(rows.dtype).view(2, -1)  # the flags region, another layout
+    for x in (rows[1:6], rows[1:2], peer_rows[:3], as_bytes):
+        y = b._apart_from_buffer(x)
+        assert y is not x and y.is_contiguous() and torch.equal(y, x)  # copied out of the buffer first
+        assert not local.data_ptr() <= y.data_ptr() < local.data_ptr() + local.numel()
+
+
+def test_without_zero_copy_nothing_is_checked_or_copied():
+    b = _backend(zero_copy=False)
+    x = b.buffer.local[:512].view(torch.bfloat16).view(2, 128)  # (no view of the buffer is ever handed out)
+    assert b._apart_from_buffer(x) is x
+
+
+def test_a_timeout_names_the_latest_call_a_peer_signalled_in_either_flag_slot():
+    b = _backend()
+    off = b.layout.flags_offset
+    slots = b.buffer.local[off: off + 2 * WORLD * 8].view(torch.int64).view(2, WORLD)
+    dispatch5, combine6 = (5 << 2) | 1, (6 << 2) | 2
+    slots[1, 0] = (128 << 32) | dispatch5  # the token count rides in the high word
+    slots[0, 0] = combine6
+    words = [0] * kp.status_words(WORLD)
+    words[kp.ST_RANK_REASON + 0] = kp.REASON_TIMEOUT
+    report = kp.StatusReport.from_words(words, WORLD)  # the kernel saw nothing in the slot it waited on
+    assert b._last_signalled(report)[0] == combine6
+    slots[0, 0] = 0
+    assert b._last_signalled(report)[0] == dispatch5
+    words[kp.ST_RANK_REASON + 0] = kp.REASON_FORMAT
+    words[kp.ST_RANK_REASON + WORLD + 0] = 7168 * 2  # a format error records a row width, not a code
+    report = kp.StatusReport.from_words(words, WORLD)
+    assert b._last_signalled(report)[0] == dispatch5
