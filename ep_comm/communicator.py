@@ -84,6 +84,7 @@ class Communicator:
         self.num_sms = getattr(self._impl, "num_sms", None)
         self._epoch = 0
         self._uncombined: Optional[int] = None  # zero_copy: the dispatch whose rows are still in use
+        self._input_rows: Optional[torch.Tensor] = None  # dispatch_input_buffer off the kernels' zero copy
         self._pending_hook: Optional[RecvHook] = None
         self._closed = False
 
@@ -228,13 +229,17 @@ class Communicator:
         sends the rows from where they lie and copies none of them (they become ``Dispatched.x``'s own
         rows).  Write them only after this rank's previous ``combine`` (stream order) and leave them
         until this dispatch's ``combine``; only the first T rows are read.  Elsewhere (fp8, other
-        backends, no zero copy) each call allocates a new tensor, so keep the one you got.
+        backends, no zero copy) it is a tensor of its own, also the same every time (dispatch has
+        consumed it, in stream order, when it returns).
         """
         self._check_open()
         rows = getattr(self._impl, "dispatch_input_buffer", lambda: None)()
-        if rows is not None:
-            return rows
-        return torch.empty(self.cfg.max_tokens_per_rank, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        if rows is None:
+            if self._input_rows is None:
+                self._input_rows = torch.empty(self.cfg.max_tokens_per_rank, self.cfg.hidden, dtype=self.cfg.dtype,
+                                               device=self.device)
+            rows = self._input_rows
+        return rows
 
     def expert_output_buffer(self, dispatched: Dispatched) -> torch.Tensor:
         """Where the experts should write the ``expert_out`` of ``dispatched`` for ``combine``.

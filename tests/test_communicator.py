@@ -393,6 +393,8 @@ def buffer_helpers_worker(backend: str, layout: str, zero_copy: bool) -> list[st
             if tuple(x_buf.shape) != (cfg.max_tokens_per_rank, cfg.hidden) or x_buf.dtype != cfg.dtype:
                 problems.append(f"input buffer shape {tuple(x_buf.shape)} dtype {x_buf.dtype}")
                 continue
+            if comm.dispatch_input_buffer() is not x_buf:
+                problems.append("the input buffer is not the same tensor on every call")
             x = x_buf[: inputs[rank].x.shape[0]]
             x.copy_(inputs[rank].x)
             d = comm.dispatch(x, inputs[rank].topk_ids, inputs[rank].topk_weights)

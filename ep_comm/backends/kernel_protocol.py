@@ -172,14 +172,6 @@ class BufferLayout:
         return self.world * num_local + self.max_tokens * (self.top_k + 1)
 
 
-def combine_pulls(cfg: EPConfig, layout: BufferLayout, forced: Optional[str]) -> bool:
-    """Whether combine reads the peers' expert rows in place (kCfgCombinePullInput): zero copy, peers
-    reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
-    write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
-    ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
-    return _pulls(cfg, layout.put_mode, layout.combine_stride, forced)
-
-
 def backend_layout(cfg: EPConfig, world: int, put_mode: bool = False) -> BufferLayout:
     """The layout a kernel backend allocates, $EP_COMM_COMBINE_PULL read here (a setting the
     communicator checked: the same, and well formed, on every rank)."""
@@ -191,6 +183,10 @@ def backend_layout(cfg: EPConfig, world: int, put_mode: bool = False) -> BufferL
 
 
 def _pulls(cfg: EPConfig, put_mode: bool, combine_stride: int, forced: Optional[str]) -> bool:
+    """Whether combine reads the peers' expert rows in place (kCfgCombinePullInput): zero copy, peers
+    reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
+    write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
+    ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
     _check_pull_switch(forced)
     possible = cfg.zero_copy and not put_mode and combine_stride == cfg.hidden * cfg.dtype.itemsize
     if forced in ("0", "1"):

@@ -234,8 +234,7 @@ class MnnvlBackend:
         if end <= buf.data_ptr() or start >= buf.data_ptr() + buf.numel():
             return x
         rows = self.dispatch_input_buffer()
-        in_place = (rows is not None and start == rows.data_ptr() and x.dtype == rows.dtype
-                    and x.shape[1] == rows.shape[1] and x.stride(1) == 1 and (n == 1 or x.stride(0) == rows.stride(0)))
+        in_place = rows is not None and n <= rows.shape[0] and _same_view(x, rows[:n])
         return x if in_place else x.clone(memory_format=torch.contiguous_format)
 
     @property

@@ -59,7 +59,7 @@ def test_zero_copy_combines_pull_at_prefill_sizes_over_stores_only():
     def pulls(max_tokens=4096, hidden=7168, zero_copy=True, put=False, forced=None, dtype=torch.bfloat16):
         cfg = ep_comm.EPConfig(num_experts=16, top_k=4, hidden=hidden, max_tokens_per_rank=max_tokens,
                                dtype=dtype, zero_copy=zero_copy)
-        return kp.combine_pulls(cfg, kp.BufferLayout.for_config(cfg, 2, put_mode=put), forced)
+        return kp.BufferLayout.for_config(cfg, 2, put_mode=put, pull_env=forced).combine_pull
 
     assert pulls() and pulls(max_tokens=kp.PULL_MIN_TOKENS)
     assert not pulls(max_tokens=kp.PULL_MIN_TOKENS - 1) and pulls(max_tokens=16, forced="1")
