@@ -284,10 +284,11 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
     if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
   if (p.phases == kPhaseBoth && threadIdx.x == 0)
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-  // a peer already recorded as missing or on another call is not waited for again (the record keeps
-  // what it last signalled, not the "done" slot's stale value)
+  // wait for the "done" of every peer that released this call's "readable" flag, i.e. that may read
+  // this rank's rows now; one that never did is recorded already, and waiting for it again would
+  // double the timeout.  Decided per launch: the error record persists across graph replays.
   for (int src = threadIdx.x; src < L.world; src += blockDim.x)
-    if (src != L.rank && *reinterpret_cast<volatile int32_t*>(p.c.status + kStatusRankReason + src) == 0)
+    if (src != L.rank && static_cast<uint32_t>(ld_acquire_sys(flag_slot(p.c, L.rank, parity, src))) == code)
       wait_group_flag(p.c, parity, src, 0, code, deadline, err);
   stamp(L, kTraceCombine, kTrArrived, true);
 }

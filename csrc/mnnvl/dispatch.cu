@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
       for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
         place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
-    } else if (L.zero_copy) {
+    } else if (L.zero_copy && !L.batched) {
       // the payload stays where it landed: only the ids and weights of each row, one row per lane (a
       // warp per row would wait out a dependent header -> meta -> store chain for every row)
       const uint8_t* region =
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
             valid = false;
           }
         }
-        if ((!valid || L.zero_copy) && chunk > 0) continue;  // zero copy: the payload is in place
+        if (!valid && chunk > 0) continue;
         int lid = -1, slot = -1;
         float lw = 0.f;
         if (valid && lane < k) {
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
           else slot = s_base[lid] + idx;
         }
         const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
-        if (n == 0 || L.zero_copy) continue;
+        if (n == 0) continue;
         const int64_t lo = chunk * p.chunk_bytes;
         const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
         if (lane < n) dst[lane] += lo;

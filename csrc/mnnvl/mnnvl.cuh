@@ -69,7 +69,7 @@ struct DispatchParams {
   Common c;
   const int32_t* expert_owner;  // [num_experts]: owner rank << 16 | local index
   const void* x;                // T rows of payload_bytes (or hidden of the quant input dtype), x_row_bytes apart
-  int64_t x_row_bytes;          // a multiple of 16: x may be a row-strided view (the input in place)
+  int64_t x_row_bytes;          // row pitch: x may be a row-strided view (the input in place)
   const void* ids;              // [T, k] int32 or int64
   const float* weights;         // [T, k]
   const void* x_scales;         // [T, scale_row_bytes] or null
