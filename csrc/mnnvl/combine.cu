@@ -12,12 +12,12 @@ namespace {
 // This rank's expert rows of received row ``r`` into src/w (one warp): batched, one per local expert
 // with its weight; standard, the row itself (already weighted).  Returns how many (0: padding, which
 // is never read whatever it holds).
+// ``lid``: this lane's entry of the row's local ids (-1 past top_k), loaded by the caller.
 template <typename Tin>
-__device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const Tin* eo, int64_t r, const Tin** src,
-                                                  float* w, int lane) {
+__device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const Tin* eo, int64_t r, int lid,
+                                                  const Tin** src, float* w, int lane) {
   const int k = p.c.lay.top_k;
   const int64_t H = p.c.lay.hidden;
-  const int lid = lane < k ? p.row_ids[r * k + lane] : -1;
   const unsigned mask = __ballot_sync(kFull, lid >= 0);
   if (mask == 0) return 0;
   int n = 1;
@@ -34,6 +34,10 @@ __device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const 
   }
   __syncwarp();
   return n;
+}
+
+__device__ __forceinline__ int row_local_id(const CombineParams& p, int64_t r, int lane) {
+  return lane < p.c.lay.top_k ? p.row_ids[r * p.c.lay.top_k + lane] : -1;
 }
 
 // dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials,
@@ -68,6 +72,38 @@ __device__ __forceinline__ void accumulate_rows(const T* const* rows, const floa
   }
 }
 
+// The same over this rank's rows then the peers' partials as one list, when both have one element type:
+// summing the own rows first waited out a local load round before the remote loads were issued, for
+// every 2 KB of a row.  Same order of additions as the two calls above.
+template <typename T, int kSumCols>
+__device__ __forceinline__ void accumulate_joined(const T* const* src, const float* w, int n, const T* const* part,
+                                                  int m, int c0, int hi, float (&acc)[kSumCols][8]) {
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;
+  const int total = n + m;
+  for (int j0 = 0; j0 < total; j0 += kRows) {
+    Pack8<T> v[kRows][kSumCols];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = j0 + r;
+      if (j >= total) break;
+      const T* row = j < n ? src[j] : part[j - n];
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].load_cg(row + c0 + c * kStep);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = j0 + r;
+      if (j >= total) break;
+      const float scale = j < n && w != nullptr ? w[j] : 1.f;
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].fma_into(scale, acc[c]);
+    }
+  }
+}
+
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
                                          Tout* dst, int lo, int hi, bool vec, int lane) {
@@ -88,8 +124,12 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
     for (int c = 0; c < kSumCols; ++c)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
-    accumulate_rows<Tin, false, kSumCols>(src, w, n, c0, hi, acc);
-    accumulate_rows<Tout, true, kSumCols>(part, nullptr, m, c0, hi, acc);
+    if constexpr (std::is_same<Tin, Tout>::value) {
+      accumulate_joined<Tin, kSumCols>(src, w, n, part, m, c0, hi, acc);
+    } else {
+      accumulate_rows<Tin, false, kSumCols>(src, w, n, c0, hi, acc);
+      accumulate_rows<Tout, true, kSumCols>(part, nullptr, m, c0, hi, acc);
+    }
 #pragma unroll
     for (int c = 0; c < kSumCols; ++c)
       if (c0 + c * kStep < hi) Vec8<Tout>::store(dst + c0 + c * kStep, acc[c]);
@@ -104,7 +144,8 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
   const Layout& L = p.c.lay;
   const int lo = chunk * p.chunk_elems;
   const int hi = min(L.hidden, lo + p.chunk_elems);
-  const int n = gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(src) * L.max_tokens + t, src_rows, w, lane);
+  const int64_t r = static_cast<int64_t>(src) * L.max_tokens + t;
+  const int n = gather_expert_rows<Tin>(p, eo, r, row_local_id(p, r, lane), src_rows, w, lane);
   if (n == 0) return;
   const int64_t off = L.combine_offset[parity] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride;
   // put mode: summed into this rank's staging partial of (src, t), then put to the same place
@@ -128,7 +169,10 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
   const Layout& L = p.c.lay;
   const int lo = chunk * p.chunk_elems;
   const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int64_t r = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+  // both of the token's small loads at once (the ids were loaded after the peers' rows were listed)
   const int d = lane < L.top_k ? p.dest[static_cast<int64_t>(t) * L.top_k + lane] : -1;
+  const int lid = row_local_id(p, r, lane);
   const bool remote = d >= 0 && d != L.rank;
   const unsigned remote_mask = __ballot_sync(kFull, remote);
   const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
@@ -141,9 +185,7 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
     parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(row);
   }
   __syncwarp();
-  const int n = has_own ? gather_expert_rows<Tin>(p, eo, static_cast<int64_t>(L.rank) * L.max_tokens + t, src_rows,
-                                                  w, lane)
-                        : 0;
+  const int n = has_own ? gather_expert_rows<Tin>(p, eo, r, lid, src_rows, w, lane) : 0;
   sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
                       lo, hi, L.hidden % 8 == 0, lane);
   __syncwarp();
