@@ -16,9 +16,9 @@ from .distributed.control import OP_COMBINE, OP_DISPATCH, OP_NAMES, ControlPlane
 from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError, EPTopologyError
 from .layouts import Dispatched
 from .quant import quantize_fp8
-from .routing import check_ids, drop_invalid_ids, sanitize_routing
+from .routing import check_ids, sanitize_routing
 from .backends.base import FLAG_EPOCH_MISMATCH, FLAG_INVALID_IDS, FLAG_TOKEN_OVERFLOW, NUM_FLAGS
-from .validation import InputChecks
+from .validation import DroppedIds, InputChecks
 
 
 def _group_device(group) -> torch.device:
@@ -493,50 +493,6 @@ class Communicator:
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class DroppedIds:
-    """``validate_ids=False`` on the collective backends: eager dispatch sends out-of-range ids as -1 and
-    counts them on the device (``FLAG_INVALID_IDS``, as graph replays do) instead of synchronising to
-    check them.  The count reaches the host by an asynchronous copy; a later call raises it once the
-    device has got that far (``check_errors()`` raises it in any case)."""
-
-    def __init__(self, flags: torch.Tensor, num_experts: int):
-        self.flags, self.num_experts = flags, num_experts
-        cuda = flags.device.type == "cuda"
-        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
-        self.copied = torch.cuda.Event() if cuda else None
-        self.in_flight = False
-
-    def drop(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        ids, num_invalid = drop_invalid_ids(topk_ids, self.num_experts)
-        self.flags[FLAG_INVALID_IDS] += num_invalid
-        if self.host is not None:
-            self.host.copy_(self.flags[FLAG_INVALID_IDS:FLAG_INVALID_IDS + 1], non_blocking=True)
-            self.copied.record()
-            self.in_flight = True
-        return ids
-
-    def raise_earlier(self) -> None:
-        """Raise ``EPInputError`` for ids dropped by earlier calls, as far as the host can see without a sync."""
-        if self.host is None:
-            count = int(self.flags[FLAG_INVALID_IDS])
-        elif self.in_flight and self.copied.query():
-            self.in_flight, count = False, int(self.host[0])
-        else:
-            return
-        if count:  # take off what is reported here; counts made since (graph replays too) stay
-            self.flags[FLAG_INVALID_IDS] -= count
-            if self.host is not None:
-                self.host.zero_()
-            raise EPInputError(f"{count} topk_ids outside [-1, num_experts={self.num_experts}) were sent as -1 "
-                               "by earlier dispatch call(s) (validate_ids=False)")
-
-    def reset(self) -> None:
-        """After ``check_errors()`` has read and zeroed the counters (a sync: no copy is in flight)."""
-        if self.host is not None:
-            self.host.zero_()
-            self.in_flight = False
 
 
 # EPConfig fields that size or shape what ranks exchange, and the environment knobs that change the
