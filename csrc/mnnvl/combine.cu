@@ -40,8 +40,9 @@ __device__ __forceinline__ int row_local_id(const CombineParams& p, int64_t r, i
   return lane < p.c.lay.top_k ? p.row_ids[r * p.c.lay.top_k + lane] : -1;
 }
 
-// dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials,
-// read around L1 since they arrived over NVLink.  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
+// dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials
+// (push) or peers' expert rows (pull), read around L1 (ld.cg) since they came over NVLink; with one
+// element type the own rows are read that way too.  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
 // Each lane keeps kSumRows x kSumCols raw 8-element loads in flight: combine is bound by how many
 // bytes are in flight per SM (Little's law), not by arithmetic.
 constexpr int kSumRows = 2;
@@ -326,9 +327,11 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
     if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
   if (p.phases == kPhaseBoth && threadIdx.x == 0)
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-  // wait for the "done" of every peer that released this call's "readable" flag, i.e. that may read
-  // this rank's rows now; one that never did is recorded already, and waiting for it again would
-  // double the timeout.  Decided per launch: the error record persists across graph replays.
+  // wait for the "done" of every peer that released this call's "readable" flag by now, i.e. that may
+  // read this rank's rows; one that never did was recorded by this launch's "readable" wait and is
+  // not reading.  (One whose flag came after that wait gave up finds the deadline passed: it is
+  // recorded again and not waited for.)  Decided per launch: the error record persists across
+  // graph replays.
   for (int src = threadIdx.x; src < L.world; src += blockDim.x)
     if (src != L.rank && static_cast<uint32_t>(ld_acquire_sys(flag_slot(p.c, L.rank, parity, src))) == code)
       wait_group_flag(p.c, parity, src, 0, code, deadline, err);

@@ -175,8 +175,8 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
 // Zero copy, standard layout: the local ids and weights of received row ``row_index`` (its header and
 // meta at ``row``; ``live``: below the source's token count), by one lane.  A row of another call or
 // of another width is dropped (-1), the latter recorded as a format error.  With k a multiple of 4 the
-// meta moves in 16-byte pieces: a warp's lanes read rows a row stride apart, so each load or store
-// instruction is 32 transactions, and 4-byte ones issued 4x as many.
+// meta moves in 16-byte pieces: a warp's lanes hold rows the grid's warp count apart, so each load or
+// store instruction is 32 transactions, and 4-byte ones issued 4x as many.
 __device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const uint8_t* row, int64_t row_index,
                                                  bool live, uint32_t code, int src, const ErrorSink& err) {
   const int k = p.c.lay.top_k, nl = p.c.lay.num_local;

@@ -115,7 +115,9 @@ def placed_input(comm, x: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict, hooks: bool = False) -> list[str]:
+def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict, hooks: bool = False,
+             outputs: Optional[list] = None) -> list[str]:
+    """Problems of one dispatch + combine against the oracle; ``outputs`` (a list) gets the combine's result."""
     quant, kind, swidth = PAYLOADS[payload]
     inputs = oracle.random_inputs(cfg, world, seed, payload=kind, scales_width=swidth, **spec)
     mine = inputs[rank].to(comm.device)
@@ -124,6 +126,8 @@ def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: di
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
     expert_out = oracle.run_experts(cfg, rank, world, d)  # padding rows/slots are NaN
     y = combine(comm, hooks, expert_out, d)
+    if outputs is not None:
+        outputs.append(y.clone())
     if y.dtype != cfg.dtype:
         problems.append(f"combine dtype {y.dtype}")
     problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
@@ -421,6 +425,54 @@ def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool =
     input_in_place(in_place)
     res = backend_matrix(backends, ("standard",), 1, hooks, zero_copy=zero_copy, hidden=WIDE_HIDDEN)
     return {f"wide/{k}": v for k, v in res.items()}
+
+
+ZERO_COPY_TOP_K = (1, 3, 6, 8)  # k % 4 != 0 takes the receive pass's 4-byte path, the others its 16-byte one
+SHAPES_MAX_TOKENS = 600  # on one SM (16 warps) every warp's receive pass and combine go round several times
+
+
+def zero_copy_shapes_case_names(backend: str) -> list[str]:
+    """The keys ``zero_copy_shapes`` reports for ``backend``."""
+    return [f"{backend}/zero_copy_shapes/k{k}/{mode}" for k in ZERO_COPY_TOP_K
+            for mode in ("pull", "push", "pull_equals_push")]
+
+
+def zero_copy_shapes(backends=("mnnvl",)) -> dict:
+    """Zero copy with top_k in ``ZERO_COPY_TOP_K`` and ``SHAPES_MAX_TOKENS`` rows per rank on one SM,
+    -1 and duplicate ids, pulled and pushed combines: what the matrix's top-4, 16-row shape does not
+    reach (the receive pass's 4-byte path, rows past a warp's first lane, several rows per warp).
+    ``.../pull_equals_push``: both combines of the same inputs are bitwise equal (the standard
+    layout's partial is the expert row itself, and both sum this rank's row, then the peers' rows in
+    the order of the token's destinations)."""
+    topo, device = init_rank()
+    world, rank = topo.world_size, topo.rank
+    tokens = [SHAPES_MAX_TOKENS, SHAPES_MAX_TOKENS - 83, 0, 311][:world] + [SHAPES_MAX_TOKENS] * max(0, world - 4)
+    results: dict[str, list[str]] = {}
+    combined: dict = {}
+    for backend, k, pull in itertools.product(backends, ZERO_COPY_TOP_K, (True, False)):
+        force_pull(pull)
+        key = f"{backend}/zero_copy_shapes/k{k}/{'pull' if pull else 'push'}"
+        seed = 3000 + 10 * k  # the same inputs pulled and pushed
+        cfg = make_cfg(world, backend, "standard", None, max_tokens=SHAPES_MAX_TOKENS, zero_copy=True, top_k=k,
+                       num_experts=max(EXPERTS_PER_RANK, k) * world, num_sms=1)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            if comm.backend != backend:
+                results[key] = [f"resolved backend {comm.backend}"]
+                continue
+            problems: list[str] = []
+            ys: list = []
+            for spec in (dict(tokens=tokens), dict(tokens=tokens[::-1], p_minus_one=0.2, p_duplicate=0.2)):
+                seed += 1
+                problems += [f"seed {seed}: {p}" for p in
+                             run_case(comm, cfg, world, rank, seed, "bf16+scales", spec, outputs=ys)]
+            results[key] = problems
+            combined[(backend, k, pull)] = ys
+        if not pull and (backend, k, True) in combined:
+            pulled, pushed = combined[(backend, k, True)], combined[(backend, k, False)]
+            results[f"{backend}/zero_copy_shapes/k{k}/pull_equals_push"] = [
+                f"call {i}: {int((a != b).sum())} of {a.numel()} elements differ" for i, (a, b) in
+                enumerate(zip(pulled, pushed)) if not torch.equal(a, b)]
+    return results
 
 
 def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False, in_place: bool = False) -> dict:

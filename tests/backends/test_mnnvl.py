@@ -118,6 +118,12 @@ def test_zero_copy_rows_in_several_pieces_with_recv_hooks(case):
 
 
 # x written into dispatch_input_buffer: the own rows are sent from where they lie and never copied
+@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("mnnvl"))
+def test_zero_copy_top_k_and_long_rows_match_oracle(case):
+    """top_k 1, 3, 6, 8 and 600 rows per rank on one SM, pulled and pushed."""
+    _assert_clean(case, "zero_copy_shapes", cases.zero_copy_shapes, ("mnnvl",))
+
+
 IN_PLACE = cases.zero_copy_case_names("mnnvl", in_place=True)
 
 
@@ -252,6 +258,20 @@ def variants_worker() -> dict:
                 spec = dict(tokens=[cfg.max_tokens_per_rank - r for r in range(world)], p_duplicate=0.2)
                 out[f"{layout}/{dtype}"] = cases.run_case(comm, cfg, world, rank, 300 + world, "bf16+scales", spec)
 
+        # expert outputs of another float type than the communicator's (the kernel reads one, writes the other)
+        for dtype, expert_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+            cfg = cases.make_cfg(world, "mnnvl", layout, None).replace(dtype=dtype)
+            with ep_comm.Communicator(cfg, device=device) as comm:
+                inputs = oracle.random_inputs(cfg, world, 320 + world, p_duplicate=0.2)
+                mine = inputs[rank].to(comm.device)
+                d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+                y = comm.combine(oracle.run_experts(cfg, rank, world, d).to(expert_dtype), d)
+                problems = [] if y.dtype == dtype else [f"combine dtype {y.dtype}"]
+                # expert rows rounded to bf16 on one side: the bf16 tolerance holds for both
+                loose = cfg.replace(dtype=torch.bfloat16)
+                out[f"{layout}/{dtype}/experts_{expert_dtype}"] = problems + [
+                    f"combine: {p}" for p in oracle.compare_combine(loose, y, oracle.expected_combine(cfg, inputs)[rank])]
+
         # int64 ids and validation off: not one host synchronisation inside dispatch/combine; then
         # out-of-range ids, which the kernel treats as -1 and counts
         cfg = cases.make_cfg(world, "mnnvl", layout, "fp8", validate_ids=False)
@@ -310,7 +330,8 @@ def variants_worker() -> dict:
 
 
 VARIANTS = [f"{l}/{v}" for l in ("standard", "batched")
-            for v in ("torch.float16", "torch.float32", "fp8/int64_ids/validation_off")]
+            for v in ("torch.float16", "torch.float32", "fp8/int64_ids/validation_off",
+                      "torch.bfloat16/experts_torch.float32", "torch.float32/experts_torch.bfloat16")]
 
 
 @pytest.mark.parametrize("case", VARIANTS)

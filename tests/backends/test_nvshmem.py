@@ -131,6 +131,17 @@ def test_zero_copy_rows_in_several_pieces_in_put_mode(case):
     _assert_clean(case, "zero_copy_wide_put", cases.wide_rows_matrix, ("nvshmem",), env=PUT)
 
 
+@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("nvshmem"))
+def test_zero_copy_top_k_and_long_rows_match_oracle(case):
+    """top_k 1, 3, 6, 8 and 600 rows per rank on one SM, pulled and pushed."""
+    _assert_clean(case, "zero_copy_shapes", cases.zero_copy_shapes, ("nvshmem",))
+
+
+@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("nvshmem"))
+def test_zero_copy_top_k_and_long_rows_in_put_mode(case):
+    _assert_clean(case, "zero_copy_shapes_put", cases.zero_copy_shapes, ("nvshmem",), env=PUT)
+
+
 IN_PLACE = cases.zero_copy_case_names("nvshmem", in_place=True)
 
 
