@@ -41,44 +41,18 @@ __device__ __forceinline__ int row_local_id(const CombineParams& p, int64_t r, i
 }
 
 // dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials
-// (push) or peers' expert rows (pull), read around L1 (ld.cg) since they came over NVLink; with one
-// element type the own rows are read that way too.  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
+// (push) or peers' expert rows (pull), read around L1 (ld.cg) since they came over NVLink, as are the
+// own rows (one stream of loads).  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
 // Each lane keeps kSumRows x kSumCols raw 8-element loads in flight: combine is bound by how many
 // bytes are in flight per SM (Little's law), not by arithmetic.
 constexpr int kSumRows = 2;
 
-template <typename T, bool kCg, int kSumCols>
-__device__ __forceinline__ void accumulate_rows(const T* const* rows, const float* w, int n, int c0, int hi,
-                                                float (&acc)[kSumCols][8]) {
-  constexpr int kStep = 8 * kWarpSize;
-  constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;  // fp32 packs take twice the registers
-  for (int j0 = 0; j0 < n; j0 += kRows) {
-    Pack8<T> v[kRows][kSumCols];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int c = 0; c < kSumCols; ++c)
-        if (j0 + r < n && c0 + c * kStep < hi) {
-          if (kCg) v[r][c].load_cg(rows[j0 + r] + c0 + c * kStep);
-          else v[r][c].load(rows[j0 + r] + c0 + c * kStep);
-        }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (j0 + r >= n) break;
-      const float scale = w == nullptr ? 1.f : w[j0 + r];
-#pragma unroll
-      for (int c = 0; c < kSumCols; ++c)
-        if (c0 + c * kStep < hi) v[r][c].fma_into(scale, acc[c]);
-    }
-  }
-}
-
-// The same over this rank's rows then the peers' partials as one list, when both have one element type:
-// summing the own rows first waited out a local load round before the remote loads were issued, for
-// every 2 KB of a row.  Same order of additions as the two calls above.
+// acc += the columns at c0 of w[j] * src[j] (j < n; weight 1 without w), then of part[j] (j < m), in that
+// order.  Both lists go through one stream of loads (ld.cg), two rows at a time: summing the own rows
+// before issuing the peers' loads waited out a local round before each remote one, every 2 KB of a row.
 template <typename T, int kSumCols>
-__device__ __forceinline__ void accumulate_joined(const T* const* src, const float* w, int n, const T* const* part,
-                                                  int m, int c0, int hi, float (&acc)[kSumCols][8]) {
+__device__ __forceinline__ void accumulate_rows(const T* const* src, const float* w, int n, const T* const* part,
+                                                int m, int c0, int hi, float (&acc)[kSumCols][8]) {
   constexpr int kStep = 8 * kWarpSize;
   constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;
   const int total = n + m;
@@ -126,10 +100,10 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
     if constexpr (std::is_same<Tin, Tout>::value) {
-      accumulate_joined<Tin, kSumCols>(src, w, n, part, m, c0, hi, acc);
-    } else {
-      accumulate_rows<Tin, false, kSumCols>(src, w, n, c0, hi, acc);
-      accumulate_rows<Tout, true, kSumCols>(part, nullptr, m, c0, hi, acc);
+      accumulate_rows<Tin, kSumCols>(src, w, n, part, m, c0, hi, acc);
+    } else {  // two element types: one list after the other
+      accumulate_rows<Tin, kSumCols>(src, w, n, nullptr, 0, c0, hi, acc);
+      accumulate_rows<Tout, kSumCols>(nullptr, nullptr, 0, part, m, c0, hi, acc);
     }
 #pragma unroll
     for (int c = 0; c < kSumCols; ++c)

@@ -137,7 +137,7 @@ class BufferLayout:
     @classmethod
     def for_config(cls, cfg: EPConfig, world: int, put_mode: bool = False,
                    pull_env: Optional[str] = None) -> "BufferLayout":
-        """``pull_env``: $EP_COMM_COMBINE_PULL (``combine_pulls``; ValueError when malformed)."""
+        """``pull_env``: $EP_COMM_COMBINE_PULL (see ``_pulls``; ValueError when malformed)."""
         k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
         meta = _align(ROW_HEADER_BYTES + 12 * k)
         payload_max = hidden * cfg.dtype.itemsize
