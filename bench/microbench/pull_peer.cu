@@ -36,14 +36,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "check.cuh"
 // driver calls: returns false (after printing) so that optional mappings can be skipped
 static bool cu_ok(CUresult r, const char* what, int line) {
   if (r == CUDA_SUCCESS) return true;
