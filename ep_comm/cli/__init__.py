@@ -16,6 +16,17 @@ from ..config import BACKEND_ENV
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def written_to_input_buffer(comm, x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied into ``comm.dispatch_input_buffer()`` (as an engine's previous layer would write it)
+    and that buffer's first rows returned, for dispatch to take in place; ``x`` itself when it is not
+    of ``cfg.dtype`` (an opaque payload)."""
+    if x.dtype != comm.cfg.dtype:
+        return x
+    rows = comm.dispatch_input_buffer()[: x.shape[0]]
+    rows.copy_(x)
+    return rows
+
+
 def default_backends(values: Optional[Sequence[str]]) -> list[str]:
     """``--backend`` as given, else ``auto`` when ``$EP_COMM_BACKEND`` picks one, else ``all``.
 

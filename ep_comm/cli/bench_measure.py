@@ -26,7 +26,7 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPError
 from ..layouts import Dispatched
-from . import DTYPES
+from . import DTYPES, written_to_input_buffer
 from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 from .phases import Phases
 
@@ -265,11 +265,7 @@ def input_in_place(comm: Communicator, args: argparse.Namespace) -> bool:
 def placed(comm: Communicator, args: argparse.Namespace, x: torch.Tensor) -> torch.Tensor:
     """``x`` written into ``comm.dispatch_input_buffer()`` (as an engine's previous layer would write it;
     outside the timed region) where dispatch reads it in place, else ``x``."""
-    if not input_in_place(comm, args) or x.dtype != comm.cfg.dtype:
-        return x
-    rows = comm.dispatch_input_buffer()[: x.shape[0]]
-    rows.copy_(x)
-    return rows
+    return written_to_input_buffer(comm, x) if input_in_place(comm, args) else x
 
 
 def _expert_buffer(cache: dict, cfg: EPConfig, comm: Communicator, d: Dispatched) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..communicator import Communicator
 from ..config import FP8_BLOCK, EPConfig
 from ..distributed.control import ControlPlane
 from ..errors import EPConfigError, EPTimeoutError, EPTopologyError
-from . import DTYPES, default_backends, format_table, resolve_backend_request
+from . import DTYPES, default_backends, format_table, resolve_backend_request, written_to_input_buffer
 from .launcher import PeerWatch, RankEnv, agree_exit_code, say, setup_rank, teardown
 
 
@@ -255,11 +255,8 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         problems: list[str] = []
         t0 = time.perf_counter()
         try:
-            x = mine.x
-            if comm.cfg.zero_copy and case.iteration % 2 and x.dtype == comm.cfg.dtype:
-                # every other iteration x is written into the input buffer (kernel backends: sent in place)
-                x = comm.dispatch_input_buffer()[: x.shape[0]]
-                x.copy_(mine.x)
+            # every other iteration x is written into the input buffer (kernel backends: sent in place)
+            x = written_to_input_buffer(comm, mine.x) if comm.cfg.zero_copy and case.iteration % 2 else mine.x
             d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
             problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
             if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:

@@ -15,6 +15,7 @@ import torch
 import ep_comm
 from ep_comm import oracle
 from ep_comm.backends import kernel_protocol as kp
+from ep_comm.cli import written_to_input_buffer
 
 HIDDEN = 256
 EXPERTS_PER_RANK = 3
@@ -108,11 +109,7 @@ def input_in_place(on: bool) -> None:
 def placed_input(comm, x: torch.Tensor) -> torch.Tensor:
     """``x`` written into the communicator's dispatch input buffer when ``input_in_place`` is on (and x
     is of ``cfg.dtype``), else ``x``."""
-    if os.environ.get(INPUT_IN_PLACE_ENV) != "1" or x.dtype != comm.cfg.dtype:
-        return x
-    buf = comm.dispatch_input_buffer()[: x.shape[0]]
-    buf.copy_(x)
-    return buf
+    return written_to_input_buffer(comm, x) if os.environ.get(INPUT_IN_PLACE_ENV) == "1" else x
 
 
 def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: dict, hooks: bool = False,
