@@ -343,10 +343,13 @@ class MnnvlBackend:
             fatal = EPInputError(f"invalid input on peer rank(s) {aborted}: they abandoned {expected} (their own "
                                  f"error says why); this rank's result of that call is incomplete")
         elif rep.ranks_with(kp.REASON_TIMEOUT):
-            missing = rep.ranks_with(kp.REASON_TIMEOUT)
+            flagged = rep.ranks_with(kp.REASON_TIMEOUT)
+            missing, waiting = _behind_and_in_step(flagged, last, rep.expected_code)
+            also = (f"; rank(s) {waiting} reached {expected} too but had not finished it when this rank gave up "
+                    "(they wait on the same missing rank(s))") if waiting else ""
             fatal = EPTimeoutError(
                 f"rank {me}: {self.name} {expected} did not complete within timeout_s={t:g}: no signal from rank(s) "
-                f"{missing} ({seen(missing)})", missing_ranks=missing)
+                f"{missing} ({seen(missing)}){also}", missing_ranks=missing)
         elif rep.ranks_with(kp.REASON_MISMATCH):
             fatal = EPError(f"rank {me}: ranks are on different calls: this rank was in {expected}, "
                             f"{seen(rep.ranks_with(kp.REASON_MISMATCH))}; every rank must call dispatch/combine "
@@ -365,6 +368,16 @@ class MnnvlBackend:
         # the ranks' call sequences can no longer be trusted: every later call raises this too
         self._fatal = fatal
         return fatal
+
+
+def _behind_and_in_step(flagged: list[int], last: list[int], expected: int) -> tuple[list[int], list[int]]:
+    """The ranks a wait gave up on, split into those that never reached the call and those that did.
+    With three or more ranks one missing rank holds up the others too (a pulling combine releases its
+    peers only after reading every rank's rows), so their late "done" flags get them recorded as well;
+    naming them as missing would blame ranks that are in step.  When every flagged rank reached the
+    call, they are all named: they are the ones stuck in it."""
+    behind = [r for r in flagged if last[r] != expected]
+    return (behind, [r for r in flagged if r not in behind]) if behind else (flagged, [])
 
 
 def kernels_unavailable(ctx: BackendContext) -> str:

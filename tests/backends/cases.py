@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -22,6 +22,16 @@ EXPERTS_PER_RANK = 3
 
 
 SHARED_GPU_ENV = "EP_COMM_TEST_SHARED_GPU"
+# More ranks than GPUs (world 4 on a two-GPU machine): the multi-source paths run where no larger machine
+# is lent.  The ranks share the GPUs round-robin and bootstrap over gloo (NCCL refuses two ranks on one GPU).
+WORLD_ENV = "EP_COMM_TEST_WORLD"
+
+
+def kernel_test_world(ngpu: int) -> tuple[int, Optional[Callable[[int], dict]]]:
+    """``(world, extra_env)`` for the kernel backends' multi-rank tests: one rank per GPU, at least 2 (two
+    ranks on one GPU), or ``$EP_COMM_TEST_WORLD`` ranks spread over the GPUs."""
+    world = int(os.environ.get(WORLD_ENV) or 0) or max(ngpu, 2)
+    return world, (None if ngpu >= world else (lambda rank: {SHARED_GPU_ENV: "1"}))
 
 
 def merge_ranks(per_rank) -> dict:
@@ -36,15 +46,17 @@ def merge_ranks(per_rank) -> dict:
 def init_rank():
     """``(topology, device)`` of a test rank.  Normally one GPU per rank (NCCL) or CPU (gloo), device
     None (the communicator's default).  With ``$EP_COMM_TEST_SHARED_GPU=1`` every rank bootstraps over
-    gloo and uses cuda:0: the kernel backends then run at world 2 on a one-GPU machine."""
+    gloo and uses GPU ``rank % device_count``: the kernel backends then run at world 2 on a one-GPU machine,
+    or at world 4 on two GPUs."""
     if os.environ.get(SHARED_GPU_ENV) == "1":
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        torch.cuda.set_device(0)
-        return ep_comm.init_distributed(), torch.device("cuda", 0)
+        index = dist.get_rank() % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return ep_comm.init_distributed(), torch.device("cuda", index)
     return ep_comm.init_distributed(), None
 
 

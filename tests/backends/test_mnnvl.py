@@ -26,12 +26,12 @@ def _ngpu() -> int:
 
 
 def _world() -> int:
-    return _ngpu() if _ngpu() >= 2 else 2
+    return cases.kernel_test_world(_ngpu())[0]
 
 
 def _spawn(fn, *args, timeout_s: float = 600.0):
-    env = None if _ngpu() >= 2 else (lambda rank: {cases.SHARED_GPU_ENV: "1"})
-    return raise_on_failure(spawn_local(fn, _world(), args=args, timeout_s=timeout_s, extra_env=env))
+    world, env = cases.kernel_test_world(_ngpu())
+    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=env))
 
 
 _cache: dict = {}

@@ -14,11 +14,13 @@ from ep_comm.backends.mnnvl import MnnvlBackend
 WORLD, RANK = 2, 1
 
 
-def _backend(zero_copy: bool = True, quant=None) -> MnnvlBackend:
-    cfg = ep_comm.EPConfig(num_experts=8, top_k=4, hidden=128, max_tokens_per_rank=8, zero_copy=zero_copy, quant=quant)
-    layout = kp.BufferLayout.for_config(cfg, WORLD)
+def _backend(zero_copy: bool = True, quant=None, world: int = WORLD, rank: int = RANK) -> MnnvlBackend:
+    cfg = ep_comm.EPConfig(num_experts=4 * world, top_k=4, hidden=128, max_tokens_per_rank=8, zero_copy=zero_copy,
+                           quant=quant, timeout_s=3.0)
+    layout = kp.BufferLayout.for_config(cfg, world)
     b = object.__new__(MnnvlBackend)  # the host-side state only: no device, no kernels
-    b.ctx = types.SimpleNamespace(cfg=cfg, rank=RANK, world_size=WORLD)
+    b.ctx = types.SimpleNamespace(cfg=cfg, rank=rank, world_size=world)
+    b._fatal = None
     b.buffer = types.SimpleNamespace(local=torch.zeros(layout.nbytes, dtype=torch.uint8))
     b.layout, b.zero_copy, b._zero_copy_views, b._input_rows = layout, zero_copy, {}, None
     return b
@@ -77,3 +79,36 @@ def test_a_timeout_names_the_latest_call_a_peer_signalled_in_either_flag_slot():
     words[kp.ST_RANK_REASON + WORLD + 0] = 7168 * 2  # a format error records a row width, not a code
     report = kp.StatusReport.from_words(words, WORLD)
     assert b._last_signalled(report)[0] == dispatch5
+
+
+def _timeout_report(b: MnnvlBackend, expected: int, last: dict[int, int]) -> kp.StatusReport:
+    """A timeout record of ``b``'s rank: every rank in ``last`` flagged, its flag slot holding that code."""
+    world = b.ctx.world_size
+    off = b.layout.flags_offset
+    slots = b.buffer.local[off: off + 2 * world * 8].view(torch.int64).view(2, world)
+    words = [0] * kp.status_words(world)
+    words[kp.ST_EXPECTED_CODE] = expected
+    for r, code in last.items():
+        slots[0, r] = code
+        words[kp.ST_RANK_REASON + r] = kp.REASON_TIMEOUT
+    return kp.StatusReport.from_words(words, world)
+
+
+def test_ranks_held_up_by_a_missing_rank_are_not_named_as_missing():
+    """World 4, pulling combine #9, rank 3 never came: ranks 1 and 2 reached the combine but release rank
+    0's rows only after reading rank 3's, so rank 0's wait records them too.  Only rank 3 is missing."""
+    b = _backend(world=4, rank=0)
+    dispatch8, combine9 = (8 << 2) | 1, (9 << 2) | 2
+    err = b._error_from(_timeout_report(b, combine9, {1: combine9, 2: combine9, 3: dispatch8}))
+    assert isinstance(err, ep_comm.EPTimeoutError)
+    assert list(err.missing_ranks) == [3], err
+    assert "no signal from rank(s) [3] (rank 3 last signalled dispatch #8)" in str(err), err
+    assert "rank(s) [1, 2] reached combine #9 too but had not finished it" in str(err), err
+
+
+def test_ranks_stuck_inside_the_call_are_named_when_none_is_behind():
+    b = _backend(world=4, rank=0)
+    combine9 = (9 << 2) | 2
+    err = b._error_from(_timeout_report(b, combine9, {2: combine9}))
+    assert list(err.missing_ranks) == [2], err
+    assert "reached" not in str(err), err
