@@ -62,10 +62,15 @@ def test_without_zero_copy_nothing_is_checked_or_copied():
     assert b._apart_from_buffer(x) is x
 
 
+def _flag_slots(b: MnnvlBackend) -> torch.Tensor:
+    """``[parity, rank]`` int64 view of the call-flag slots peers write into ``b``'s buffer."""
+    world, off = b.ctx.world_size, b.layout.flags_offset
+    return b.buffer.local[off: off + 2 * world * 8].view(torch.int64).view(2, world)
+
+
 def test_a_timeout_names_the_latest_call_a_peer_signalled_in_either_flag_slot():
     b = _backend()
-    off = b.layout.flags_offset
-    slots = b.buffer.local[off: off + 2 * WORLD * 8].view(torch.int64).view(2, WORLD)
+    slots = _flag_slots(b)
     dispatch5, combine6 = (5 << 2) | 1, (6 << 2) | 2
     slots[1, 0] = (128 << 32) | dispatch5  # the token count rides in the high word
     slots[0, 0] = combine6
@@ -83,9 +88,7 @@ def test_a_timeout_names_the_latest_call_a_peer_signalled_in_either_flag_slot():
 
 def _timeout_report(b: MnnvlBackend, expected: int, last: dict[int, int]) -> kp.StatusReport:
     """A timeout record of ``b``'s rank: every rank in ``last`` flagged, its flag slot holding that code."""
-    world = b.ctx.world_size
-    off = b.layout.flags_offset
-    slots = b.buffer.local[off: off + 2 * world * 8].view(torch.int64).view(2, world)
+    world, slots = b.ctx.world_size, _flag_slots(b)
     words = [0] * kp.status_words(world)
     words[kp.ST_EXPECTED_CODE] = expected
     for r, code in last.items():
