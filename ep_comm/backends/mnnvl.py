@@ -29,6 +29,16 @@ NUM_SMS_ENV = "EP_COMM_NUM_SMS"
 TRACE_ENV = "EP_COMM_TRACE"  # "1": the kernels stamp their phases (a diagnostic; costs block barriers)
 
 
+def _spins_for_the_host(device_index: int) -> bool:
+    """Whether the host may busy-wait for the id check: not where the process asked CUDA to yield or
+    block while waiting (then it waits the way it asked), nor where the driver cannot say."""
+    from ..memory import _driver
+    try:
+        return not _driver.host_waits_yield(device_index)
+    except Exception:  # noqa: BLE001 - the synchronising wait is always right, only slower
+        return False
+
+
 @dataclasses.dataclass
 class KernelHandle:
     """What combine needs from a dispatch: per received row its local ids, weights and (batched)
@@ -86,6 +96,7 @@ class MnnvlBackend:
         self._fatal: Optional[EPError] = None
         self._ids_checked = torch.cuda.Event()  # recorded after the last queued id check
         self._ids_check_queued = False
+        self._ids_wait_spin = _spins_for_the_host(ctx.device.index)
         # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][TRACE_SLOTS] globaltimer ns
         self.trace: Optional[torch.Tensor] = None
         if os.environ.get(TRACE_ENV) == "1":
@@ -157,7 +168,13 @@ class MnnvlBackend:
     def id_check_passed(self) -> bool:
         """One device→host synchronisation: with the check kernel, not with the dispatch behind it."""
         if self._ids_check_queued:
-            self._ids_checked.synchronize()
+            if self._ids_wait_spin:
+                # polled, not cudaEventSynchronize: the host gets back to the stream sooner, which
+                # is on the eager dispatch's critical path (A/B on nvidia-h200-x2 in bench/NOTES.md)
+                while not self._ids_checked.query():
+                    pass
+            else:
+                self._ids_checked.synchronize()
         return not bool(self._flags[kp.PENDING_IDS_CHECK])
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -82,6 +82,17 @@ def init() -> None:
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
+def host_waits_yield(device_index: int) -> bool:
+    """Whether waits on this device's primary context (torch's) yield the CPU or block: the
+    process asked for ``cudaDeviceScheduleYield`` / ``BlockingSync``.  The default (auto, with fewer
+    contexts than CPUs) and ``Spin`` busy-wait instead."""
+    cu = driver()
+    init()
+    flags, _active = call("cuDevicePrimaryCtxGetState", call("cuDeviceGet", device_index))
+    sched = int(flags) & int(cu.CUctx_flags.CU_CTX_SCHED_MASK)
+    return sched in (int(cu.CUctx_flags.CU_CTX_SCHED_YIELD), int(cu.CUctx_flags.CU_CTX_SCHED_BLOCKING_SYNC))
+
+
 @contextlib.contextmanager
 def device_context(device_index: int) -> Iterator[Any]:
     """Make device ``device_index``'s primary context current for the block (then restore).

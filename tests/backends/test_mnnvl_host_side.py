@@ -115,3 +115,56 @@ def test_ranks_stuck_inside_the_call_are_named_when_none_is_behind():
     err = b._error_from(_timeout_report(b, combine9, {2: combine9}))
     assert list(err.missing_ranks) == [2], err
     assert "reached" not in str(err), err
+
+
+class _CheckEvent:
+    """Stands in for the event after the id check: done after ``pending`` queries."""
+
+    def __init__(self, pending: int):
+        self.pending, self.queries, self.synchronized = pending, 0, False
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.pending
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+def test_the_id_check_answer_is_polled_unless_the_process_asked_cuda_to_yield():
+    import numpy as np
+
+    for spin in (True, False):
+        b = _backend(zero_copy=False)
+        b._flags = np.zeros(kp.PENDING_WORDS, dtype=np.int32)
+        b._ids_check_queued, b._ids_wait_spin, b._ids_checked = True, spin, _CheckEvent(pending=3)
+        assert b.id_check_passed()
+        assert (b._ids_checked.queries, b._ids_checked.synchronized) == ((4, False) if spin else (0, True))
+        b._flags[kp.PENDING_IDS_CHECK] = 1  # the check kernel found an id out of range
+        assert not b.id_check_passed()
+
+
+def test_the_host_spins_only_where_cuda_would_spin(monkeypatch):
+    from ep_comm.backends import mnnvl
+    from ep_comm.memory import _driver
+
+    flags = {"value": 0}
+
+    class CUresult(int):
+        CUDA_SUCCESS = 0
+
+    class Flags:  # the values of cuda.bindings.driver.CUctx_flags
+        CU_CTX_SCHED_AUTO, CU_CTX_SCHED_SPIN, CU_CTX_SCHED_YIELD, CU_CTX_SCHED_BLOCKING_SYNC = 0, 1, 2, 4
+        CU_CTX_SCHED_MASK = 7
+
+    fake = types.SimpleNamespace(
+        CUresult=CUresult, CUctx_flags=Flags, cuInit=lambda _f: (0,), cuDeviceGet=lambda i: (0, i),
+        cuDevicePrimaryCtxGetState=lambda dev: (0, flags["value"] | 8, 1))  # 8: CU_CTX_MAP_HOST, not a sched bit
+    monkeypatch.setattr(_driver, "_DRIVER", fake)
+    for sched, spins in ((0, True), (1, True), (2, False), (4, False)):
+        flags["value"] = sched
+        assert mnnvl._spins_for_the_host(0) is spins
+    monkeypatch.setattr(_driver, "_DRIVER", types.SimpleNamespace(
+        **{**vars(fake), "cuDevicePrimaryCtxGetState": lambda dev: (201, 0, 0)}))
+    monkeypatch.setattr(_driver, "error_name", lambda cu, err: "CUDA_ERROR_INVALID_CONTEXT")
+    assert mnnvl._spins_for_the_host(0) is False  # the driver cannot say: the synchronising wait
