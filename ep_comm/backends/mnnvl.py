@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -26,6 +27,7 @@ from . import kernel_protocol as kp
 from .base import Availability, BackendContext
 
 NUM_SMS_ENV = "EP_COMM_NUM_SMS"
+ID_POLL_S = 2e-3  # how long the host polls for the eager id check before it blocks
 TRACE_ENV = "EP_COMM_TRACE"  # "1": the kernels stamp their phases (a diagnostic; costs block barriers)
 
 
@@ -168,12 +170,16 @@ class MnnvlBackend:
     def id_check_passed(self) -> bool:
         """One device→host synchronisation: with the check kernel, not with the dispatch behind it."""
         if self._ids_check_queued:
+            done = False
             if self._ids_wait_spin:
                 # polled, not cudaEventSynchronize: the host gets back to the stream sooner, which
-                # is on the eager dispatch's critical path (A/B on nvidia-h200-x2 in bench/NOTES.md)
-                while not self._ids_checked.query():
+                # is on the eager dispatch's critical path (A/B on nvidia-h200-x2 in bench/NOTES.md).
+                # Bounded, as query() keeps the GIL: a host far ahead of its stream then blocks
+                # (releasing it) rather than holding other Python threads off for milliseconds.
+                give_up = time.perf_counter() + ID_POLL_S
+                while not (done := self._ids_checked.query()) and time.perf_counter() < give_up:
                     pass
-            else:
+            if not done:
                 self._ids_checked.synchronize()
         return not bool(self._flags[kp.PENDING_IDS_CHECK])
 

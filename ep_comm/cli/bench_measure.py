@@ -219,23 +219,26 @@ def expert_outputs(cfg: EPConfig, rank: int, world: int, d: Dispatched, padding:
 
 
 # -- timing ---------------------------------------------------------------------------------------------------
+STAMPS_PER_ITER = 8  # the most stamps one timed iteration takes (the split calls' four halves)
+
+
 class Timer:
     """Times consecutive sections of one iteration: CUDA events on GPUs, perf_counter on CPUs.
 
-    ``stamps``: how many stamps the loop will take.  Their CUDA events are created here, before the
-    timing: torch creates an event at its first record, and a stamp taken right after a call that
-    synchronised inside (the eager id check) would otherwise put that creation between the call's
-    return and the stamp, in the op's device time."""
+    Stamps are CUDA events made ahead, between iterations: torch creates an event at its first record,
+    which after a call that synchronised inside (the eager id check) would land in the op's time."""
 
-    def __init__(self, device: torch.device, stamps: int = 0):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: list[list[Any]] = []
         self._spare: list[Any] = []
-        if self.cuda:
-            for _ in range(stamps):
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()  # creates it; the stamp records it again
-                self._spare.append(ev)
+        self._make_spares()
+
+    def _make_spares(self) -> None:
+        while self.cuda and len(self._spare) < STAMPS_PER_ITER:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()  # creates it; the stamp records it again
+            self._spare.append(ev)
 
     def stamp(self) -> Any:
         if self.cuda:
@@ -245,7 +248,9 @@ class Timer:
         return time.perf_counter()
 
     def add(self, stamps: list[Any]) -> None:
+        """One iteration's stamps (called after its last stamp, outside every timed section)."""
         self.pending.append(stamps)
+        self._make_spares()
 
     def sections_us(self) -> list[list[float]]:
         """Per section, the list of durations in µs (syncs the device once)."""
@@ -255,10 +260,6 @@ class Timer:
         else:
             durations = [[(b - a) * 1e6 for a, b in zip(s, s[1:])] for s in self.pending]
         return [list(col) for col in zip(*durations)] if durations else []
-
-
-#: the most stamps one timed iteration takes (the split calls' four halves: 8)
-STAMPS_PER_ITER = 8
 
 
 def percentiles(samples: Sequence[float]) -> tuple[float, float]:
@@ -343,7 +344,7 @@ def time_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
             comm.combine(_expert_buffer(cache, cfg, comm, d), d)
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
-    timer = Timer(env.device, stamps=STAMPS_PER_ITER * args.iters)
+    timer = Timer(env.device)
     host_d: list[float] = []
     host_c: list[float] = []
 
@@ -401,7 +402,7 @@ def _time_replays(env: RankEnv, comm: Communicator, graphs: list, sets: list[Run
     ``static`` (x, ids, weights) take each run set's inputs."""
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
-    timer = Timer(env.device, stamps=STAMPS_PER_ITER * args.iters)
+    timer = Timer(env.device)
     for rs, n in zip(sets, split_iters(args)):
         for dst, src in zip(static, (rs.inp.x, rs.inp.topk_ids, rs.inp.topk_weights)):
             dst.copy_(src)  # new routing and data into the graphs' static inputs
@@ -489,7 +490,7 @@ def time_hooks_eager(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
             hooked_combine(comm, _expert_buffer(cache, cfg, comm, d), d)
     phases.started("timing")
     t_start, barrier = time.perf_counter(), LinedUp(env)
-    timer = Timer(env.device, stamps=STAMPS_PER_ITER * args.iters)
+    timer = Timer(env.device)
     queued = eager_queued(env, args)
 
     def next_half() -> None:  # queued: as time_hooks_graph, each half starts together on every GPU
@@ -587,7 +588,7 @@ def time_baseline(env: RankEnv, args: argparse.Namespace, tokens: int) -> tuple[
             run, mode = graph.replay, "graph"
         except Exception:  # noqa: BLE001 - an uncapturable baseline is timed eagerly, and says so
             pass
-    timer = Timer(env.device, stamps=STAMPS_PER_ITER * args.iters)
+    timer = Timer(env.device)
     for _ in range(args.iters):
         host_barrier(env, hide_launch=mode == "graph")
         t0 = timer.stamp()

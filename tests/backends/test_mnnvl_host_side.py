@@ -131,17 +131,24 @@ class _CheckEvent:
         self.synchronized = True
 
 
-def test_the_id_check_answer_is_polled_unless_the_process_asked_cuda_to_yield():
+def test_the_id_check_answer_is_polled_unless_the_process_asked_cuda_to_yield(monkeypatch):
     import numpy as np
 
-    for spin in (True, False):
+    from ep_comm.backends import mnnvl
+
+    def waited(spin: bool) -> tuple:
         b = _backend(zero_copy=False)
         b._flags = np.zeros(kp.PENDING_WORDS, dtype=np.int32)
         b._ids_check_queued, b._ids_wait_spin, b._ids_checked = True, spin, _CheckEvent(pending=3)
         assert b.id_check_passed()
-        assert (b._ids_checked.queries, b._ids_checked.synchronized) == ((4, False) if spin else (0, True))
         b._flags[kp.PENDING_IDS_CHECK] = 1  # the check kernel found an id out of range
         assert not b.id_check_passed()
+        return b._ids_checked.queries, b._ids_checked.synchronized
+
+    assert waited(spin=True) == (5, False)  # 4 polls, then 1 for the second call (done by then)
+    assert waited(spin=False) == (0, True)
+    monkeypatch.setattr(mnnvl, "ID_POLL_S", 0.0)  # still pending when the polling time is up: it blocks
+    assert waited(spin=True) == (2, True)
 
 
 def test_the_host_spins_only_where_cuda_would_spin(monkeypatch):

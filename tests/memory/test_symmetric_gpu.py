@@ -188,17 +188,3 @@ def test_single_rank_buffer_on_gpu() -> None:
         assert buf.peer_ptrs.tolist() == [buf.local.data_ptr()]
     assert buf.closed
 
-
-@pytest.mark.gpu
-def test_host_wait_mode_of_torchs_context_is_read_from_the_driver():
-    """torch leaves the scheduling flag at auto, so the kernel backends poll for the eager id check
-    (a context set to yield or block would make them synchronise: tested on CPU with a fake driver)."""
-    import torch
-
-    from ep_comm.backends.mnnvl import _spins_for_the_host
-    from ep_comm.memory import _driver
-
-    torch.zeros(1, device="cuda")  # torch's primary context exists and is active
-    index = torch.cuda.current_device()
-    assert _driver.host_waits_yield(index) is False
-    assert _spins_for_the_host(index) is True
