@@ -14,15 +14,25 @@ import shutil
 from setuptools import setup
 
 
+#: pip's default build isolation builds in a fresh environment without the torch installed beside it
+NO_TORCH_HERE = ("torch cannot be imported where this package is being built: pip builds in an isolated "
+                 "environment unless told otherwise; on a GPU node install with "
+                 "`pip install --no-build-isolation -e .` so the kernels are built against the installed torch")
+
+
 def _want_cuda() -> bool:
     flag = os.environ.get("EP_COMM_BUILD_CUDA")
-    if flag is not None:
-        return flag == "1"
+    if flag == "0":
+        return False
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
-    except ImportError:
+    except ImportError as exc:
+        if flag == "1":
+            raise RuntimeError(f"EP_COMM_BUILD_CUDA=1: {NO_TORCH_HERE}") from exc
         return False
+    if flag == "1":
+        return True
     return bool(torch.version.cuda) and (CUDA_HOME is not None or shutil.which("nvcc") is not None)
 
 

@@ -5,7 +5,7 @@
 #   NP=16 GPUS_PER_NODE=8 HOSTFILE=hosts launch/mpirun_openmpi.sh stress
 #
 # ep_comm reads OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK.  Without MASTER_ADDR, rank 0's address and a free
-# port are broadcast with mpi4py (pip install 'ep-comm[mpi]'); export MASTER_ADDR/MASTER_PORT to skip that.
+# port are broadcast with mpi4py (pip install mpi4py); export MASTER_ADDR/MASTER_PORT to skip that.
 # Variables (defaults): NP (GPUS_PER_NODE), GPUS_PER_NODE (GPUs nvidia-smi lists), HOSTFILE (none),
 # MPIRUN (mpirun), MPI_EXTRA_ARGS (none; e.g. "--allow-run-as-root" in containers, "--mca btl ^openib"),
 # EP_COMM_CMD, EP_COMM_BACKEND, EP_COMM_PYTHON.

@@ -42,8 +42,10 @@ def _load() -> tuple[Optional[Any], str]:
     try:
         from .. import _C  # type: ignore[attr-defined]
     except ImportError as exc:
-        return None, (f"the CUDA extension ep_comm._C is not built ({exc}); it is compiled by `pip install` on "
-                      "a machine with a CUDA build of torch and nvcc (EP_COMM_BUILD_CUDA=1 forces it)")
+        return None, (f"the CUDA extension ep_comm._C is not built ({exc}); it is compiled by "
+                      "`pip install --no-build-isolation -e .` on a machine with a CUDA build of torch and nvcc "
+                      "(pip's default build isolation hides the installed torch from the build; "
+                      "EP_COMM_BUILD_CUDA=1 makes the build fail loudly instead of skipping it)")
     if int(_C.CFG_LEN) != kp.CFG_LEN:
         return None, (f"ep_comm._C was built from other sources (config length {_C.CFG_LEN}, "
                       f"expected {kp.CFG_LEN}): reinstall the package")

@@ -10,7 +10,7 @@ def plot(results: list[dict], path: str, baseline_backend: str) -> str:
         matplotlib.use("Agg")  # no display on cluster nodes
         import matplotlib.pyplot as plt
     except ImportError:
-        return f"--plot: matplotlib is not installed (pip install 'ep-comm[plot]'); {path} not written"
+        return f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written"
     if not results:
         return f"--plot: no results to plot; {path} not written"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)

@@ -23,7 +23,7 @@ def _mpi_rendezvous(info: LaunchInfo) -> tuple[str, int]:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise EPConfigError(
             "env MASTER_ADDR", None,
-            f"not set under {info.launcher}; install mpi4py (pip install 'ep-comm[mpi]') so rank 0 can "
+            f"not set under {info.launcher}; install mpi4py (pip install mpi4py) so rank 0 can "
             "broadcast its address, or export MASTER_ADDR/MASTER_PORT",
         ) from exc
     comm = MPI.COMM_WORLD

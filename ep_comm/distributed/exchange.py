@@ -213,7 +213,7 @@ class MPIExchange:
             from mpi4py import MPI
         except ImportError as exc:
             raise EPConfigError(
-                "exchange", "mpi4py", "mpi4py is not installed (pip install 'ep-comm[mpi]'), or use torch.distributed"
+                "exchange", "mpi4py", "mpi4py is not installed (pip install mpi4py), or use torch.distributed"
             ) from exc
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank: int = int(self.comm.Get_rank())

@@ -43,9 +43,9 @@ def extension() -> tuple[Optional[Any], str]:
     try:
         from .. import _C_nvshmem  # type: ignore[attr-defined]
     except ImportError as exc:
-        return None, (f"ep_comm._C_nvshmem is not built ({exc}); it is compiled by `pip install` where the "
-                      "NVSHMEM wheel is installed: pip install 'ep-comm[nvshmem]' (nvidia-nvshmem-cu13 for a "
-                      "CUDA 13 torch, nvidia-nvshmem-cu12 for CUDA 12), then reinstall ep-comm")
+        return None, (f"ep_comm._C_nvshmem is not built ({exc}); it is compiled by `pip install "
+                      "--no-build-isolation -e .` where the NVSHMEM wheel is installed (pip install nvidia-nvshmem-cu13 "
+                      "for a CUDA 13 torch, nvidia-nvshmem-cu12 for CUDA 12; the extra `nvshmem` of this package)")
     return _C_nvshmem, ""
 
 
