@@ -89,9 +89,10 @@ def run(args: argparse.Namespace) -> float:
     rank, world = topo.rank, topo.world_size
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = DTYPES[args.dtype]
-    cfg = ep_comm.EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
+    experts = args.experts or 4 * world  # every rank owns experts / world of them
+    cfg = ep_comm.EPConfig(num_experts=experts, top_k=args.topk, hidden=args.hidden,
                            max_tokens_per_rank=args.tokens, dtype=dtype, layout="batched", backend=args.backend)
-    weights = Weights(args.hidden, args.ffn, args.experts, args.seed).to(device)
+    weights = Weights(args.hidden, args.ffn, experts, args.seed).to(device)
     # every rank's tokens from one seed (ranks get different token counts, one of them may have none)
     g = torch.Generator().manual_seed(args.seed + 1)
     counts = [args.tokens - (r % 3) * (args.tokens // 2) for r in range(world)]
@@ -120,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16, help="max tokens per rank")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts", type=int, default=None, help="a multiple of the number of ranks (default: 4 per rank)")
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--backend", default="auto")
