@@ -20,6 +20,7 @@ import torch
 
 from ..errors import EPError, EPInputError, EPTimeoutError
 from ..layouts import Dispatched
+from ..memory import _driver
 from ..memory.probe import IMEX_CHANNEL_DIR, probe_capabilities
 from ..memory.symmetric import SymmetricBuffer
 from . import kernel_ops
@@ -34,7 +35,6 @@ TRACE_ENV = "EP_COMM_TRACE"  # "1": the kernels stamp their phases (a diagnostic
 def _spins_for_the_host(device_index: int) -> bool:
     """Whether the host may busy-wait for the id check: not where the process asked CUDA to yield or
     block while waiting (then it waits the way it asked), nor where the driver cannot say."""
-    from ..memory import _driver
     try:
         return not _driver.host_waits_yield(device_index)
     except Exception:  # noqa: BLE001 - the synchronising wait is always right, only slower
