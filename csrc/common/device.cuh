@@ -125,7 +125,11 @@ __device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool
     s_last = (old + 1 == s_target) ? 1 : 0;
     s_ok = 1;
     if (s_last) {
-      __threadfence_system();  // acquire every other block's released stores before signalling
+      // acquire every other block's released stores before signalling.  GPU scope is enough: the
+      // blocks share this GPU, and a later release at system scope (the signal) carries what this
+      // fence acquired to the peers (causality order is transitive; their stores, remote ones too,
+      // were released at system scope above).  The system-scope fence here cost 0.5-0.8 us per op.
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
     } else if (wait) {
       uint32_t spins = 0;
       while (ld_acquire_gpu(counter) < s_target) {
