@@ -82,6 +82,8 @@ class Communicator:
         self._invalid_ids = (None if self._kernel
                              else _invalid_ids.InvalidIdReport(self.world_size, cfg.num_experts, self.device))
         self.num_sms = getattr(self._impl, "num_sms", None)
+        self.capabilities = _backends.Capabilities(recv_hooks=bool(getattr(self._impl, "recv_hooks", False)),
+                                                   zero_copy=bool(getattr(self._impl, "zero_copy", False)))
         self._epoch = 0
         self._uncombined: Optional[int] = None  # zero_copy: the dispatch whose rows are still in use
         self._input_rows: Optional[torch.Tensor] = None  # dispatch_input_buffer off the kernels' zero copy

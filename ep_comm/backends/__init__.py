@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Type
 
 from .ag_rs import AllGatherReduceScatterBackend
-from .base import Availability, Backend, BackendContext, KernelBackend, RoutedBatch
+from .base import Availability, Backend, Capabilities, BackendContext, KernelBackend, RoutedBatch
 from .kernel_protocol import check_environment
 from .mnnvl import MnnvlBackend
 from .naive import NaiveBackend
@@ -55,6 +55,6 @@ register(AllGatherReduceScatterBackend)
 register(MnnvlBackend)
 register(NvshmemBackend)
 
-__all__ = ["Availability", "Backend", "BackendContext", "KernelBackend", "RoutedBatch", "check_environment", "register",
+__all__ = ["Availability", "Backend", "Capabilities", "BackendContext", "KernelBackend", "RoutedBatch", "check_environment", "register",
            "get_backend", "registered",
            "local_availability", "AUTO_ORDER", "NOT_BUILT"]

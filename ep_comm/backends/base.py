@@ -77,6 +77,22 @@ class RoutedBatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend instance offers beyond dispatch/combine (``Communicator.capabilities``).
+
+    ``layouts``: the output layouts it emits (every backend emits both); ``recv_hooks``: dispatch and
+    combine take ``return_recv_hook=True``; ``zero_copy``: ``dispatch_input_buffer`` /
+    ``expert_output_buffer`` hand out views of the communicator's own buffer; ``graph_capture``:
+    dispatch+combine can be captured in a CUDA graph (on a CUDA device).
+    """
+
+    layouts: tuple[str, ...] = ("standard", "batched")
+    recv_hooks: bool = False
+    zero_copy: bool = False
+    graph_capture: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Availability:
     ok: bool
     reason: str = ""
