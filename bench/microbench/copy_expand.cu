@@ -27,7 +27,7 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowBytes = 14336;
 
-// ---- warp-wide register copies (what csrc/common/device.cuh does) ---------------------------------
+// ---- warp-wide register copies (what the kernel backends do) --------------------------------------
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1)
     warp_expand(const uint8_t* src, uint8_t* dst, const int* slots, int rows, int fan) {

@@ -1,14 +1,13 @@
 // Pulling combine over NVLink: how fast can GPU 0 read a peer GPU's rows, by read method and by the
 // kind of peer mapping?
 //
-// The shape is combine_pull / sum_output_piece (csrc/mnnvl/combine.cu) at EP2, DeepSeek-V3 prefill:
-// for 4096 tokens, out[t] = w0[t] * own[t] + w1[t] * peer[t], rows bf16 x 7168 (14336 B), fp32 sums,
-// bf16 out.  own and out are in GPU 0 memory; peer rows are physically on GPU 1 and read by a kernel
-// on GPU 0.  That kernel (24 SMs, ~220 us) looks bound by the remote bytes each SM keeps in flight
-// (4 int4 per lane, ~2 KB per warp); this asks whether TMA bulk copies into a shared-memory ring
-// (~7x more bytes in flight per SM) read the link faster, and whether the mapping of the peer rows
-// matters (cudaMalloc + peer access, cuMem VMM, cuMem VMM re-imported from a POSIX fd as another
-// process would) -- a cp.async ring was 1.8x slower over the library's VMM mapping only.
+// The shape is the kernel backends' pulling combine at EP2, DeepSeek-V3 prefill: for 4096 tokens,
+// out[t] = w0[t] * own[t] + w1[t] * peer[t], rows bf16 x 7168 (14336 B), fp32 sums, bf16 out.  own and
+// out are in GPU 0 memory; peer rows are physically on GPU 1 and read by a kernel on GPU 0.  It sets
+// register loads against TMA bulk copies and cp.async rings into shared memory (more bytes in flight
+// per SM), over the three ways the peer rows can be mapped (cudaMalloc + peer access, cuMem VMM, cuMem
+// VMM re-imported from a POSIX fd as another process would), so that the library kernel's time can be
+// compared with what the link gives.
 //
 // Variants (one block of 512 threads per SM, a warp per token row, tokens strided over global warps):
 //   regs4 / regs8  each lane loads U int4 of the own row and U of the peer row (peer: ld.global.cg), sums, stores
