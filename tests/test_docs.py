@@ -105,19 +105,30 @@ def test_readme_fits_in_200_lines():
 
 # ---- environment variables ------------------------------------------------------------------------
 
+def _code_files(*tops: str, suffixes: tuple[str, ...]) -> list[str]:
+    """Files under these folders of the working tree (tracked or not: new modules count at once)."""
+    out = []
+    for top in tops:
+        if os.path.isfile(os.path.join(REPO, top)):
+            out.append(top)
+        for d, dirs, fs in os.walk(os.path.join(REPO, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            out += [os.path.relpath(os.path.join(d, f), REPO) for f in fs if f.endswith(suffixes)]
+    return sorted(out)
+
+
 def _read_by_the_code() -> dict[str, str]:
     """Every EP_COMM_* variable the package, its build or the launch scripts read -> where."""
     found: dict[str, str] = {}
-    for rel in _tracked(".py", ".sh", ".sbatch"):
-        if rel.startswith(("ep_comm/", "launch/")) or rel == "setup.py":
-            text = _read(rel)
-            if rel.endswith(".py"):
-                text = re.sub(r"getattr\([^,()]+,\s*[\"']EP_COMM_\w+[\"']", "", text)  # attribute names
-                names = re.findall(r"[\"'](EP_COMM_[A-Z0-9_]+)[\"']", text)
-            else:
-                names = re.findall(r"\$\{(EP_COMM_[A-Z0-9_]+)", text)
-            for name in names:
-                found.setdefault(name, rel)
+    for rel in _code_files("ep_comm", "launch", "setup.py", suffixes=(".py", ".sh", ".sbatch")):
+        text = _read(rel)
+        if rel.endswith(".py"):
+            text = re.sub(r"getattr\([^,()]+,\s*[\"']EP_COMM_\w+[\"']", "", text)  # attribute names
+            names = re.findall(r"[\"'](EP_COMM_[A-Z0-9_]+)[\"']", text)
+        else:
+            names = re.findall(r"\$\{(EP_COMM_[A-Z0-9_]+)", text)
+        for name in names:
+            found.setdefault(name, rel)
     return found
 
 
@@ -140,7 +151,9 @@ def test_every_environment_variable_the_code_reads_is_documented_and_vice_versa(
 
 
 def test_every_environment_variable_the_docs_name_exists_in_the_code():
-    code = "\n".join(_read(p) for p in _tracked(".py", ".sh", ".sbatch", ".cu", ".cuh", ".h", ".cpp")
+    code = "\n".join(_read(p) for p in _code_files("ep_comm", "launch", "tests", "bench", "csrc", "examples",
+                                                    "setup.py", suffixes=(".py", ".sh", ".sbatch", ".cu", ".cuh",
+                                                                          ".h", ".cpp"))
                      if p != "tests/test_docs.py")
     docs = _docs() + [p for p in _tracked(".md") if p.startswith(("launch/", "bench/"))]
     stale = sorted({f"{rel}: {name}" for rel in docs for name in ENV_NAME.findall(_read(rel))
