@@ -103,6 +103,18 @@ def test_readme_fits_in_200_lines():
     assert len(_read("README.md").splitlines()) <= 200
 
 
+def test_repository_paths_the_docs_name_exist():
+    """A file path in README.md, docs/operations.md, docs/performance.md or the launch/ and bench/
+    READMEs names a file of this repository (from its root, or from the document's folder)."""
+    path = re.compile(r"(?<![\w/.~$-])((?:[\w-]+/)+[\w.-]+\.(?:py|sh|sbatch|md|cu|cuh|h|cpp|toml|json|txt))\b")
+    docs = ["README.md", "docs/operations.md", "docs/performance.md"]
+    docs += [p for p in _tracked("README.md") if p.startswith(("launch/", "bench/"))]
+    missing = [f"{rel}: {p}" for rel in docs for p in sorted(set(path.findall(_read(rel))))
+               if not os.path.exists(os.path.join(REPO, p))
+               and not os.path.exists(os.path.join(REPO, os.path.dirname(rel), p))]
+    assert missing == []
+
+
 # ---- environment variables ------------------------------------------------------------------------
 
 def _code_files(*tops: str, suffixes: tuple[str, ...]) -> list[str]:
