@@ -1,15 +1,28 @@
 """Builds the CUDA extensions from csrc/ only where they can be built.
 
-ep_comm._C (the kernels): EP_COMM_BUILD_CUDA=1 forces the build (and fails loudly if it cannot), =0
-skips it; unset means "build if this torch has CUDA and nvcc is found".
-ep_comm._C_nvshmem (csrc/nvshmem/: the nvshmem backend's NVSHMEM runtime and the kernels again, with
-put mode, -rdc): built alongside _C where the NVSHMEM wheel (nvidia-nvshmem-cu12/13, the extra
-`nvshmem`) or $NVSHMEM_DIR is found; EP_COMM_BUILD_NVSHMEM=0|1 forces it off/on.  Everything else lives in pyproject.toml.
+ep_comm._C: the one-sided kernels over mapped buffers (csrc/one_sided/, backend mnnvl), the collective
+backends' kernels (csrc/collective/) and their registration (csrc/ops.cpp).  EP_COMM_BUILD_CUDA=1
+forces the build (and fails loudly if it cannot), =0 skips it; unset means "build if this torch has
+CUDA and nvcc is found".
+ep_comm._C_nvshmem: the same one-sided kernels compiled again with EP_COMM_NVSHMEM (NVSHMEM's device
+library, put mode, -rdc) and the NVSHMEM host runtime (csrc/nvshmem/); built alongside _C where the
+NVSHMEM wheel (nvidia-nvshmem-cu12/13, the extra `nvshmem`) or $NVSHMEM_DIR is found;
+EP_COMM_BUILD_NVSHMEM=0|1 forces it off/on.
+Before compiling, csrc/common/protocol_table.h is written from ep_comm/backends/protocol.py,
+the one table of what the kernels and Python share.  Everything else lives in pyproject.toml.
 """
 import glob
 import importlib.util
 import os
 import shutil
+
+PROTOCOL_TABLE = os.path.join("ep_comm", "backends", "protocol.py")
+PROTOCOL_HEADER = os.path.join("csrc", "common", "protocol_table.h")
+ONE_SIDED_KERNELS = sorted(glob.glob(os.path.join("csrc", "one_sided", "*.cu")))
+# torch builds CUDA sources with these defined, to keep half/bfloat16 operators out of its own code;
+# NVSHMEM's device headers use those operators
+_TORCH_HALF_MACROS = ("__CUDA_NO_HALF_OPERATORS__", "__CUDA_NO_HALF_CONVERSIONS__", "__CUDA_NO_HALF2_OPERATORS__",
+                      "__CUDA_NO_BFLOAT16_CONVERSIONS__", "__CUDA_NO_BFLOAT162_OPERATORS__")
 
 from setuptools import setup
 
@@ -66,13 +79,14 @@ def _nvshmem_extension(nvshmem: str):
     lib = os.path.join(nvshmem, "lib")
     return CUDAExtension(
         name="ep_comm._C_nvshmem",
-        sources=sorted(glob.glob("csrc/nvshmem/*.cpp") + glob.glob("csrc/nvshmem/*.cu")),
+        sources=sorted(glob.glob("csrc/nvshmem/*.cpp")) + ONE_SIDED_KERNELS,
         # CUDA 13's headers that NVSHMEM's include need cuda/std/* from cccl (host compiler)
         include_dirs=[os.path.abspath("csrc"), os.path.join(nvshmem, "include"), os.path.join(cuda_inc, "cccl")],
         library_dirs=[lib],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", "-DEP_COMM_NVSHMEM"],
-            "nvcc": ["-O3", "-lineinfo", "-std=c++17", "-rdc=true", "-DEP_COMM_NVSHMEM"],
+            "nvcc": ["-O3", "-lineinfo", "-std=c++17", "-rdc=true", "-DEP_COMM_NVSHMEM",
+                     *(f"-U{m}" for m in _TORCH_HALF_MACROS)],
             "nvcc_dlink": ["-dlink", f"-L{lib}", "-lnvshmem_device"],
         },
         # the wheel ships only the versioned soname: link that file, the one torch already loads
@@ -80,13 +94,43 @@ def _nvshmem_extension(nvshmem: str):
     )
 
 
+def _write_protocol_header() -> None:
+    """csrc/common/protocol_table.h from the protocol table (rewritten only when it changes)."""
+    spec = importlib.util.spec_from_file_location("_ep_comm_protocol", PROTOCOL_TABLE)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    text = table.cpp_header()
+    if os.path.exists(PROTOCOL_HEADER):
+        with open(PROTOCOL_HEADER) as f:
+            if f.read() == text:
+                return
+    with open(PROTOCOL_HEADER, "w") as f:
+        f.write(text)
+
+
+def _build_ext_class(base):
+    """``base`` (torch's BuildExtension) with one temporary folder per extension: both compile
+    csrc/one_sided/*.cu, with other flags, so their object files must not share paths."""
+
+    class BuildExtensionPerFolder(base):
+        def build_extension(self, ext):
+            shared = self.build_temp
+            self.build_temp = os.path.join(shared, ext.name)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = shared
+
+    return BuildExtensionPerFolder
+
+
 def _extensions():
-    sources = sorted(s for s in glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True)
-                     if not s.startswith(os.path.join("csrc", "nvshmem", "")))
-    if not sources or not _want_cuda():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/collective/*.cu")) + ONE_SIDED_KERNELS
+    if not ONE_SIDED_KERNELS or not _want_cuda():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    _write_protocol_header()
     _default_arch_list()
     ext = CUDAExtension(
         name="ep_comm._C",
@@ -99,7 +143,8 @@ def _extensions():
     nvshmem = _nvshmem_dir()
     if nvshmem:
         exts.append(_nvshmem_extension(nvshmem))
-    return exts, {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+    build = _build_ext_class(BuildExtension).with_options(use_ninja=shutil.which("ninja") is not None)
+    return exts, {"build_ext": build}
 
 
 def _default_arch_list() -> None:

@@ -27,25 +27,24 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ep_comm  # noqa: E402
-from ep_comm import communicator as comm_mod  # noqa: E402
 from ep_comm import oracle  # noqa: E402
-from ep_comm.backends import gathered, invalid_ids  # noqa: E402
+from ep_comm.backends.collective import flow, invalid_ids  # noqa: E402
+from ep_comm.backends.one_sided import backend as one_sided  # noqa: E402
 from ep_comm.cli.launcher import _SPAWNED_ENV, gather_objects, host_barrier, setup_rank  # noqa: E402
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
 
 PIECES_MODULE = {  # module attribute -> label
-    (comm_mod, "validate_dispatch"): "validate", (comm_mod, "validate_combine"): "validate",
-    (comm_mod, "check_ids"): "id check: naming the token", (invalid_ids.InvalidIdReport, "drop"): "id check (dropped and counted)",
-    (invalid_ids.InvalidIdReport, "invalid_ranks"): "id check (reads every rank's count)",
-    (comm_mod, "sanitize_routing"): "routing guard", (gathered, "merge_duplicates"): "routing guard",
-    (gathered, "pack"): "pack", (gathered, "unpack"): "unpack", (gathered, "select_local"): "select layout",
-    (gathered, "reduce_buffer"): "reduce buffer", (gathered, "combine_partial"): "combine partial sums",
+    (one_sided, "check_ids"): "id check: naming the token", (invalid_ids, "check_ids"): "id check: naming the token",
+    (invalid_ids.InvalidIds, "route"): "id check (dropped and counted) and routing guard",
+    (invalid_ids.InvalidIds, "raise_if_any"): "id check (reads every rank's count)",
+    (flow, "pack"): "pack", (flow, "unpack"): "unpack", (flow, "select_local"): "select layout",
+    (flow, "reduce_buffer"): "reduce buffer", (flow, "combine_partial"): "combine partial sums",
 }
 
 
-# backend methods -> labels, for the collective backends and for the kernel backends (mnnvl)
+# methods -> labels: of the collective backends, and of the one-sided backends' kernels (comm._impl.kernels)
 BACKEND_PIECES = {"gather": "dispatch collective", "reduce": "combine collective"}
-KERNEL_PIECES = {"poll_errors": "error poll", "start_id_check": "id check (queued)",
+KERNEL_PIECES = {"fatal_pending": "error poll", "start_id_check": "id check (queued)",
                  "id_check_passed": "id check (waits for the check kernel)",
                  "dispatch": "op call: dispatch (+ outputs)", "combine": "op call: combine"}
 
@@ -100,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> dict:
     inputs = oracle.random_inputs(cfg, env.world_size, seed=1, tokens=[args.tokens] * env.world_size)
     inp = inputs[env.rank].to(env.device)
     acc: dict = collections.defaultdict(list)
-    pieces = {key: label for key, label in PIECES_MODULE.items() if hasattr(*key)}  # older trees lack some
+    pieces = dict(PIECES_MODULE)
     originals = {key: getattr(*key) for key in pieces}
 
     eo_cache: dict = {}
@@ -138,22 +137,19 @@ def rank_main(args: argparse.Namespace) -> dict:
     try:
         for (mod, name), label in pieces.items():
             setattr(mod, name, _wrap(acc, label, originals[(mod, name)], cuda and args.sync))
-        if hasattr(comm.control, "agree_start"):
-            start = comm.control.agree_start
+        start = comm.control.agree_start
 
-            def agree_start(*a, **k):  # the send, then the wait
-                wait = _wrap(acc, "host agreement: send", start, False)(*a, **k)
-                return _wrap(acc, "host agreement: wait", wait, cuda and args.sync)
+        def agree_start(*a, **k):  # the send, then the wait
+            wait = _wrap(acc, "host agreement: send", start, False)(*a, **k)
+            return _wrap(acc, "host agreement: wait", wait, cuda and args.sync)
 
-            comm.control.agree_start = agree_start
-        else:  # a tree from before the split agreement
-            comm.control.agree = _wrap(acc, "host agreement (gloo)", comm.control.agree, cuda and args.sync)
-        checks = getattr(comm, "_checks", None)  # the input checks (module functions in older trees)
-        for name in ("dispatch", "combine") if checks is not None else ():
-            setattr(checks, name, _wrap(acc, "validate", getattr(checks, name), cuda and args.sync))
-        for name, label in (KERNEL_PIECES if getattr(comm._impl, "kernel", False) else BACKEND_PIECES).items():
-            if hasattr(comm._impl, name):
-                setattr(comm._impl, name, _wrap(acc, label, getattr(comm._impl, name), cuda and args.sync))
+        comm.control.agree_start = agree_start
+        for name in ("dispatch", "combine"):
+            setattr(comm._checks, name, _wrap(acc, "validate", getattr(comm._checks, name), cuda and args.sync))
+        kernel = comm.capabilities.recv_hooks
+        target = comm._impl.kernels if kernel else comm._impl
+        for name, label in (KERNEL_PIECES if kernel else BACKEND_PIECES).items():
+            setattr(target, name, _wrap(acc, label, getattr(target, name), cuda and args.sync))
         for _ in range(args.iters):
             host_barrier(env)
             pair()

@@ -25,25 +25,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ep_comm  # noqa: E402
 from ep_comm import oracle  # noqa: E402
-from ep_comm.backends import kernel_protocol as kp  # noqa: E402
-from ep_comm.backends.mnnvl import TRACE_ENV  # noqa: E402
+from ep_comm.backends.one_sided.device import TRACE_ENV  # noqa: E402
+from ep_comm.backends.protocol import Stamp, Trace  # noqa: E402
 from ep_comm.cli.launcher import _SPAWNED_ENV, align_devices, gather_objects, host_barrier, setup_rank  # noqa: E402
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
 
 
 def _phases(stamps: torch.Tensor, op: int, world: int) -> dict[str, float]:
     """µs from the first block's start to each phase (max over the blocks that stamped it)."""
-    blocks = stamps.view(2, -1, kp.TRACE_SLOTS)[op].double()
-    t0 = blocks[:, kp.TR_START].min()
-    names = {kp.TR_SENT: "sent", kp.TR_ARRIVED: "arrived", kp.TR_SIGNALLED: "signalled", kp.TR_END: "end"}
-    if op == kp.TRACE_DISPATCH:
-        for i in range(min(world, kp.TRACE_SOURCES)):
-            names[kp.TR_SOURCE0 + 2 * i] = f"src+{i} flag"
-            names[kp.TR_SOURCE0 + 2 * i + 1] = f"src+{i} laid out"
+    blocks = stamps.view(2, -1, Trace.SLOTS)[op].double()
+    t0 = blocks[:, Stamp.START].min()
+    names = {Stamp.SENT: "sent", Stamp.ARRIVED: "arrived", Stamp.SIGNALLED: "signalled", Stamp.END: "end"}
+    if op == Trace.DISPATCH:
+        for i in range(min(world, Trace.SOURCES)):
+            names[Stamp.SOURCE0 + 2 * i] = f"src+{i} flag"
+            names[Stamp.SOURCE0 + 2 * i + 1] = f"src+{i} laid out"
     else:
-        names[kp.TR_SOURCE0] = "flags seen"
-    out = {"start spread": float((blocks[:, kp.TR_START].max() - t0) / 1e3)}
-    sent = blocks[:, kp.TR_SENT]
+        names[Stamp.SOURCE0] = "flags seen"
+    out = {"start spread": float((blocks[:, Stamp.START].max() - t0) / 1e3)}
+    sent = blocks[:, Stamp.SENT]
     if (sent > 0).any():  # the first block done sending: with "sent" (the last), the blocks' imbalance
         out["sent (first block)"] = float((sent[sent > 0].min() - t0) / 1e3)
     for slot, name in names.items():
@@ -64,8 +64,8 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
                            max_tokens_per_rank=tokens, dtype=torch.bfloat16, layout=layout, backend="mnnvl",
                            quant=args.quant, num_sms=args.num_sms, zero_copy=args.zero_copy and layout == "standard")
     comm = ep_comm.Communicator(cfg)
-    backend = comm._impl
-    if backend.trace is None:
+    kernels = comm._impl.kernels
+    if kernels.trace is None:
         raise RuntimeError(f"{TRACE_ENV}=1 did not reach the backend")
     inp = oracle.random_inputs(cfg, env.world_size, seed=7, tokens=[tokens] * env.world_size)[env.rank].to(env.device)
     x = inp.x
@@ -102,8 +102,8 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
         torch.cuda.synchronize()
         if it < args.warmup:
             continue
-        stamps = backend.trace.cpu()
-        for name, op, (a, b) in (("dispatch", kp.TRACE_DISPATCH, (0, 1)), ("combine", kp.TRACE_COMBINE, (2, 3))):
+        stamps = kernels.trace.cpu()
+        for name, op, (a, b) in (("dispatch", Trace.DISPATCH, (0, 1)), ("combine", Trace.COMBINE, (2, 3))):
             ph = _phases(stamps, op, env.world_size)
             ph["event"] = ev[a].elapsed_time(ev[b]) * 1e3
             rows[name].append(ph)

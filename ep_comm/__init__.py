@@ -7,6 +7,7 @@
         y = comm.combine(my_experts(d), d)
 """
 from . import routing
+from .communicator import Communicator
 from .config import EPConfig
 from .distributed import Topology, init_distributed
 from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError, EPTopologyError
@@ -18,12 +19,3 @@ __all__ = [
     "Communicator", "Dispatched", "EPConfig", "EPConfigError", "EPError", "EPInputError", "EPTimeoutError",
     "EPTopologyError", "Topology", "init_distributed", "routing",
 ]
-
-
-def __getattr__(name):
-    # Communicator pulls in the backends; keep ``import ep_comm.distributed`` etc. light.
-    if name == "Communicator":
-        from . import communicator
-
-        return getattr(communicator, name)
-    raise AttributeError(name)

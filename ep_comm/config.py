@@ -23,7 +23,7 @@ _DTYPE_NAMES = {
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def parse_dtype(value: "torch.dtype | str") -> torch.dtype:
+def parse_dtype(value: torch.dtype | str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     try:
@@ -49,7 +49,7 @@ class EPConfig:
     collective backends: the first dispatch after the device has counted them) or ``check_errors()`` raises.
     ``zero_copy`` (standard layout): the kernel backends return ``Dispatched.x`` / ``x_scales`` as
     row-strided views of the communicator's receive buffer instead of copying the received rows out
-    (prefill: 300 → 237 µs at EP2 × 4096 tokens).  Read them only before this rank's ``combine`` of
+    (a pass over the received bytes saved; docs/performance.md).  Read them only before this rank's ``combine`` of
     that dispatch (in stream order); every eager dispatch must be combined before the next one on the
     communicator (``EPError`` otherwise).  Where peers are reached over NVLink and
     ``max_tokens_per_rank >= 512``, ``combine`` also works in place: each rank reads its tokens'
@@ -131,5 +131,5 @@ class EPConfig:
             raise EPConfigError("backend", env, f"from ${BACKEND_ENV}: must be one of {BACKEND_NAMES}")
         return env
 
-    def replace(self, **changes) -> "EPConfig":
+    def replace(self, **changes) -> EPConfig:
         return dataclasses.replace(self, **changes)

@@ -30,7 +30,7 @@ class RankInput:
     topk_weights: torch.Tensor
     x_scales: Optional[torch.Tensor] = None
 
-    def to(self, device) -> "RankInput":
+    def to(self, device) -> RankInput:
         s = None if self.x_scales is None else self.x_scales.to(device)
         return RankInput(self.x.to(device), self.topk_ids.to(device), self.topk_weights.to(device), s)
 
@@ -158,7 +158,8 @@ def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[Expect
     return out
 
 
-def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput], expert_fn: ExpertFn = test_expert) -> list[torch.Tensor]:
+def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput],
+                     expert_fn: ExpertFn = test_expert) -> list[torch.Tensor]:
     """Per rank ``[T, hidden]`` float32: ``y[t] = Σ_e w_e · expert_fn(x[t], e)``; 0 without experts."""
     outs = []
     for inp in inputs:
@@ -244,8 +245,9 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
             local[e] = local.get(e, 0.0) + float(w[i, j])
         got[_row_key(x[i], None if s is None else s[i])].append(local)
     if set(got) != set(expected.rows):
-        problems.append(f"received {sum(map(len, got.values()))} rows, expected {sum(map(len, expected.rows.values()))}; "
-                        f"{len(set(got) - set(expected.rows))} unexpected, {len(set(expected.rows) - set(got))} missing")
+        n_got, n_want = sum(map(len, got.values())), sum(map(len, expected.rows.values()))
+        extra, missing = len(set(got) - set(expected.rows)), len(set(expected.rows) - set(got))
+        problems.append(f"received {n_got} rows, expected {n_want}; {extra} unexpected, {missing} missing")
         return problems[:max_report]
     for key, want in expected.rows.items():
         have = got[key]

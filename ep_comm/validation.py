@@ -2,9 +2,8 @@
 
 The checks depend only on the tensors' shapes, dtypes and devices (and the fixed config), which an
 engine repeats call after call; ``InputChecks`` remembers the last combination that passed and skips
-the checks when it comes again (a few µs of host time per call on the eager path).  ``DroppedIds``
-is the other side of ``validate_ids=False`` on the collective backends: ids not checked up front are
-dropped and counted on the device, and reported by a later call.
+the checks when it comes again (host time saved on every eager call).  Expert ids are checked by
+each backend family in its own way (they need the device).
 """
 from __future__ import annotations
 
@@ -12,11 +11,9 @@ from typing import Optional
 
 import torch
 
-from .backends.base import FLAG_INVALID_IDS
 from .config import EPConfig
 from .errors import EPInputError
 from .layouts import Dispatched
-from .routing import drop_invalid_ids
 
 _QUANTISABLE = (torch.bfloat16, torch.float16, torch.float32)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -126,47 +123,3 @@ class InputChecks:
         if key != self._combine_ok:
             validate_combine(self.cfg, self.device, expert_out, dispatched, out)
             self._combine_ok = key
-
-
-class DroppedIds:
-    """``validate_ids=False`` on the collective backends: eager dispatch sends out-of-range ids as -1 and
-    counts them on the device (``FLAG_INVALID_IDS``, as graph replays do) instead of synchronising to
-    check them.  The count reaches the host by an asynchronous copy; a later call raises it once the
-    device has got that far (``check_errors()`` raises it in any case)."""
-
-    def __init__(self, flags: torch.Tensor, num_experts: int):
-        self.flags, self.num_experts = flags, num_experts
-        cuda = flags.device.type == "cuda"
-        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
-        self.copied = torch.cuda.Event() if cuda else None
-        self.in_flight = False
-
-    def drop(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        ids, num_invalid = drop_invalid_ids(topk_ids, self.num_experts)
-        self.flags[FLAG_INVALID_IDS] += num_invalid
-        if self.host is not None:
-            self.host.copy_(self.flags[FLAG_INVALID_IDS:FLAG_INVALID_IDS + 1], non_blocking=True)
-            self.copied.record()
-            self.in_flight = True
-        return ids
-
-    def raise_earlier(self) -> None:
-        """Raise ``EPInputError`` for ids dropped by earlier calls, as far as the host can see without a sync."""
-        if self.host is None:
-            count = int(self.flags[FLAG_INVALID_IDS])
-        elif self.in_flight and self.copied.query():
-            self.in_flight, count = False, int(self.host[0])
-        else:
-            return
-        if count:  # take off what is reported here; counts made since (graph replays too) stay
-            self.flags[FLAG_INVALID_IDS] -= count
-            if self.host is not None:
-                self.host.zero_()
-            raise EPInputError(f"{count} topk_ids outside [-1, num_experts={self.num_experts}) were sent as -1 "
-                               "by earlier dispatch call(s) (validate_ids=False)")
-
-    def reset(self) -> None:
-        """After ``check_errors()`` has read and zeroed the counters (a sync: no copy is in flight)."""
-        if self.host is not None:
-            self.host.zero_()
-            self.in_flight = False

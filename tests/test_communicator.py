@@ -281,7 +281,7 @@ def fall_through_worker(error: str):
     import warnings
 
     from ep_comm import backends
-    from ep_comm.backends.naive import NaiveBackend
+    from ep_comm.backends.collective import NaiveBackend
 
     class Refusing(NaiveBackend):
         name = "refusing"

@@ -5,8 +5,8 @@
 // elsewhere, or repeats an earlier slot of the row), the row's weight for that expert summed over its
 // repeats, whether the row has any local pair, and for the batched layout the pair's flat slot in
 // [num_local * capacity] (row-major order per expert: the n-th pair of expert e gets slot n) with the
-// per-expert counts, and finally the payload rows copied into those slots.  It replaces ~25 small
-// torch ops per eager dispatch (each ~10 µs of host time on the GPU machines).
+// per-expert counts, and finally the payload rows copied into those slots.  It stands in for a few
+// dozen small torch ops per eager dispatch, each costing host time on the eager path.
 // Host-compilable (ops.cpp includes it): declarations only.
 #pragma once
 

@@ -128,8 +128,8 @@ __device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool
       // acquire every other block's released stores before signalling.  GPU scope is enough: the
       // blocks share this GPU, and a later release at system scope (the signal) carries what this
       // fence acquired to the peers (causality order is transitive; their stores, remote ones too,
-      // were released at system scope above).  A system-scope fence here cost 0.4-0.9 us per 128-token
-      // op (H100, one rank, same-call A/B).
+      // were released at system scope above); a system-scope fence here would cost latency on every
+      // op (docs/performance.md).
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
     } else if (wait) {
       uint32_t spins = 0;

@@ -106,7 +106,7 @@ PYBIND11_MODULE(_C_nvshmem, m) {
   m.def("ptr", &peer_ptr, py::arg("ptr"), py::arg("pe"), "nvshmem_ptr: peer address or 0");
   m.def("barrier_all", &barrier_all);
   m.def("finalize", &finalize, "drop this module's NVSHMEM reference (nvshmemi_finalize)");
-  m.attr("CFG_LEN") = static_cast<int>(ep_comm::kCfgLen);
+  m.attr("PROTOCOL_FINGERPRINT") = static_cast<int64_t>(ep_comm::kProtocolFingerprint);
   m.attr("STATUS_IS_INITIALIZED") = static_cast<int>(NVSHMEM_STATUS_IS_INITIALIZED);
   m.attr("VERSION") = std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) +
                       "." + std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);

@@ -1,28 +1,29 @@
-"""Backend registry.  A backend is a class following ``base.Backend``; later backends call ``register``."""
+"""Backends behind one interface (``base.Backend``), grouped by mechanism: ``collective`` (naive, ag_rs)
+and ``one_sided`` (mnnvl, nvshmem).  This module is the registry and the choice among them."""
 from __future__ import annotations
 
-from typing import Type
+from .base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall
+from .collective import AllGatherReduceScatterBackend, NaiveBackend
+from .one_sided import MnnvlBackend, NvshmemBackend
+from .one_sided import check_environment as _check_one_sided_environment
 
-from .ag_rs import AllGatherReduceScatterBackend
-from .base import Availability, Backend, Capabilities, BackendContext, KernelBackend, RoutedBatch
-from .kernel_protocol import check_environment
-from .mnnvl import MnnvlBackend
-from .naive import NaiveBackend
-from .nvshmem import NvshmemBackend
+_REGISTRY: dict[str, type[Backend]] = {}
 
-_REGISTRY: dict[str, Type] = {}
-
-#: order in which ``backend="auto"`` tries backends (docs/design.md §12)
+#: order in which ``backend="auto"`` tries backends
 AUTO_ORDER = ("mnnvl", "nvshmem", "ag_rs")
 
-#: backends of the contract that are not part of this build yet, with the reason shown to users
-NOT_BUILT: dict[str, str] = {}
 
-
-def register(cls: Type) -> Type:
+def register(cls: type[Backend]) -> type[Backend]:
     _REGISTRY[cls.name] = cls
-    NOT_BUILT.pop(cls.name, None)
     return cls
+
+
+def registered() -> dict[str, type[Backend]]:
+    return dict(_REGISTRY)
+
+
+def get_backend(name: str) -> type[Backend]:
+    return _REGISTRY[name]
 
 
 def local_availability(ctx: BackendContext) -> dict[str, str]:
@@ -38,23 +39,17 @@ def local_availability(ctx: BackendContext) -> dict[str, str]:
             out[name] = "" if a.ok else (a.reason or "unavailable (no reason given)")
         except Exception as exc:  # noqa: BLE001
             out[name] = f"availability probe raised {type(exc).__name__}: {exc}"
-    out.update(NOT_BUILT)
     return out
 
 
-def get_backend(name: str) -> Type:
-    return _REGISTRY[name]
+def check_environment() -> None:
+    """``EPConfigError`` for a malformed ``$EP_COMM_*`` setting, raised before any backend is made: under
+    ``backend="auto"`` it must not pass for a backend that cannot start."""
+    _check_one_sided_environment()
 
 
-def registered() -> dict[str, Type]:
-    return dict(_REGISTRY)
+for _cls in (NaiveBackend, AllGatherReduceScatterBackend, MnnvlBackend, NvshmemBackend):
+    register(_cls)
 
-
-register(NaiveBackend)
-register(AllGatherReduceScatterBackend)
-register(MnnvlBackend)
-register(NvshmemBackend)
-
-__all__ = ["Availability", "Backend", "Capabilities", "BackendContext", "KernelBackend", "RoutedBatch", "check_environment", "register",
-           "get_backend", "registered",
-           "local_availability", "AUTO_ORDER", "NOT_BUILT"]
+__all__ = ["AUTO_ORDER", "Availability", "Backend", "BackendContext", "Capabilities", "CombineCall", "DispatchCall",
+           "check_environment", "get_backend", "local_availability", "register", "registered"]

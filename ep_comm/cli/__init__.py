@@ -51,9 +51,8 @@ def split_backends(values: Optional[Sequence[str]]) -> list[str]:
 def resolve_backend_request(values: Optional[Sequence[str]]) -> tuple[list[str], bool, Optional[str]]:
     """Turn ``--backend`` into ``(names, explicit, error)``.
 
-    ``all`` means every *registered* backend (the ones built into this install); backends of the
-    contract that are not built are named in the error when asked for explicitly.  ``explicit`` is
-    False for ``all``: an unusable backend is then skipped with a note instead of failing the run.
+    ``all`` means every registered backend.  ``explicit`` is False for ``all``: an unusable backend is
+    then skipped with a note instead of failing the run.
     """
     from ..backends import registered
 
@@ -72,14 +71,9 @@ def resolve_backend_request(values: Optional[Sequence[str]]) -> tuple[list[str],
 
 
 def _unknown_message(unknown: Iterable[str]) -> str:
-    from ..backends import NOT_BUILT, registered
+    from ..backends import registered
 
-    parts = []
-    for name in unknown:
-        if name in NOT_BUILT:
-            parts.append(f"backend {name!r} is not available in this build: {NOT_BUILT[name]}")
-        else:
-            parts.append(f"unknown backend {name!r}")
+    parts = [f"unknown backend {name!r}" for name in unknown]
     choices = ", ".join(list(registered()) + ["auto", "all"])
     return "; ".join(parts) + f" (choose from: {choices})"
 

@@ -39,8 +39,21 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPConfigError, EPTopologyError
 from . import DTYPES, default_backends, resolve_backend_request
-from .bench_measure import HALF_OPS, OracleGate, bench_config, eager_queued, input_in_place, make_sets, percentiles, \
-    remote_sends, time_baseline, time_eager, time_graph, time_hooks_eager, time_hooks_graph
+from .bench_measure import (
+    HALF_OPS,
+    OracleGate,
+    bench_config,
+    eager_queued,
+    input_in_place,
+    make_sets,
+    percentiles,
+    remote_sends,
+    time_baseline,
+    time_eager,
+    time_graph,
+    time_hooks_eager,
+    time_hooks_graph,
+)
 from .bench_report import Reporter, device_name
 from .launcher import RankEnv, agree_exit_code, gather_objects, launch_gap_us, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
@@ -243,7 +256,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                             if hooks:
                                 halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
                     resolved, sms = comm.backend, _sms_used(comm)
-                    pulls = bool(getattr(getattr(comm, "_impl", None), "combine_pulls", False))
+                    pulls = comm.capabilities.combine_in_place
                     in_place = input_in_place(comm, args)
                     agreement = _agreement(comm)
                 finally:
@@ -323,9 +336,9 @@ def _bytes_per_token(cfg: EPConfig, op: str) -> Optional[int]:
 
 
 def _recv_hooks(comm: Communicator) -> bool:
-    """Whether the communicator's backend object splits calls at a receive hook (attribute ``recv_hooks``,
-    kernel backends); asking first avoids the EPConfigError a collective backend raises."""
-    return bool(getattr(getattr(comm, "_impl", None), "recv_hooks", False))
+    """Whether the communicator's backend splits calls at a receive hook; asking first avoids the
+    EPConfigError a collective backend raises."""
+    return comm.capabilities.recv_hooks
 
 
 def slow_host_notes(rows: list[dict], gap_us: float) -> list[str]:
@@ -338,17 +351,11 @@ def slow_host_notes(rows: list[dict], gap_us: float) -> list[str]:
 
 
 def _agreement(comm: Communicator) -> Optional[str]:
-    """How a collective backend's eager calls agreed on the host (``ControlPlane.agreement``); None for the
-    kernel backends, whose calls make no host round trip."""
-    if getattr(getattr(comm, "_impl", None), "kernel", False):
-        return None
-    return getattr(getattr(comm, "control", None), "agreement", None)
+    """How a collective backend's eager calls agreed on the host; None for the kernel backends, whose
+    calls make no host round trip."""
+    return comm.capabilities.host_agreement
 
 
 def _sms_used(comm: Communicator) -> Optional[int]:
-    """SMs a kernel backend reports (attribute ``num_sms``); None for collective backends."""
-    for obj in (comm, getattr(comm, "_impl", None)):
-        value = getattr(obj, "num_sms", None)
-        if isinstance(value, int):
-            return value
-    return None
+    """SMs a kernel backend uses; None for collective backends."""
+    return comm.capabilities.num_sms

@@ -273,9 +273,8 @@ def split_iters(args: argparse.Namespace) -> list[int]:
 def input_in_place(comm: Communicator, args: argparse.Namespace) -> bool:
     """Whether this row's dispatches read x from ``comm.dispatch_input_buffer()`` in place (zero copy on
     a kernel backend, ``--dispatch-input buffer``)."""
-    impl = getattr(comm, "_impl", None)
-    rows = getattr(impl, "dispatch_input_buffer", lambda: None)()
-    return rows is not None and getattr(args, "dispatch_input", "buffer") == "buffer"
+    in_place = comm.capabilities.zero_copy and comm.cfg.quant is None
+    return in_place and getattr(args, "dispatch_input", "buffer") == "buffer"
 
 
 def placed(comm: Communicator, args: argparse.Namespace, x: torch.Tensor) -> torch.Tensor:

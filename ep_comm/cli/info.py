@@ -115,7 +115,6 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> tuple[dict
     """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``, and how eager calls of the
     collective backends agree on the host (``ControlPlane.agreement``); collective (control plane)."""
     from ..backends import BackendContext, local_availability
-    from ..backends.base import NUM_FLAGS
     from ..distributed.control import ControlPlane
 
     world = env.world_size
@@ -126,7 +125,7 @@ def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> tuple[dict
     try:
         topo = control.topology(env.device.index if env.device.type == "cuda" else None)
         ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
-                             device=env.device, error_flags=torch.zeros(NUM_FLAGS, dtype=torch.int64, device=env.device))
+                             device=env.device)
         return local_availability(ctx), control.agreement
     finally:
         control.close()

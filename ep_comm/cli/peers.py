@@ -30,8 +30,7 @@ import torch.distributed as dist
 from .. import oracle
 from ..layouts import Dispatched
 from ..quant import quantize_fp8
-from .bench_measure import (CheckCase, OracleGate, RunSet, Timer, eager_queued, expert_outputs, percentiles,
-                            split_iters)
+from .bench_measure import CheckCase, OracleGate, RunSet, Timer, eager_queued, expert_outputs, percentiles, split_iters
 from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 
 PEERS = ("deepep", "nccl_ep")

@@ -51,7 +51,7 @@ _LOST_CONNECTION = ("connection closed", "connection reset", "broken pipe", "con
 
 _peer_loss_seen = False
 _blamed: set[int] = set()  # global ranks this process's control planes found gone or missing
-_open_planes: "weakref.WeakSet[ControlPlane]" = weakref.WeakSet()
+_open_planes: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
 
 
 def peer_loss_seen() -> bool:
@@ -234,7 +234,8 @@ class ControlPlane:
             return self._checked([PeerStatus(r, *rec) for r, rec in enumerate(records)], op, epoch, error)
         return wait
 
-    def _checked(self, peers: list[PeerStatus], op: int, epoch: int, error: Optional[BaseException]) -> list[PeerStatus]:
+    def _checked(self, peers: list[PeerStatus], op: int, epoch: int,
+                 error: Optional[BaseException]) -> list[PeerStatus]:
         """Raise what every rank must see about the gathered records: input errors, ranks on other calls."""
         if any(p.status for p in peers):
             self._raise_input_errors(peers, error)
@@ -407,7 +408,8 @@ class ControlPlane:
         # the ranks this process found gone or missing travel along, so that a peer which cannot see
         # them itself (another machine) still names the root cause rather than this rank
         because = sorted(g for g in _blamed if g in self.global_ranks)
-        self._store_call(self.store.set, f"left/{self.rank}", json.dumps({"reason": reason[:300], "because_of": because}))
+        marker = json.dumps({"reason": reason[:300], "because_of": because})
+        self._store_call(self.store.set, f"left/{self.rank}", marker)
         if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
             self._shm.close()
         try:

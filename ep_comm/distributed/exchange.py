@@ -191,7 +191,7 @@ class TorchExchange:
         if self._key is not None:
             _release_gloo_group(self._dist, self._key)
 
-    def __enter__(self) -> "TorchExchange":
+    def __enter__(self) -> TorchExchange:
         return self
 
     def __exit__(self, *exc: Any) -> None:

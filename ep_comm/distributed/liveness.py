@@ -50,7 +50,7 @@ class ProcessIdentity:
     start: int  # /proc start time in clock ticks; -1 where /proc is missing
 
     @classmethod
-    def current(cls) -> "ProcessIdentity":
+    def current(cls) -> ProcessIdentity:
         pid = os.getpid()
         stat = _proc_stat(pid)
         return cls(_machine_id(), pid, stat[1] if stat else -1)

@@ -1,7 +1,7 @@
 """Same-host fast path of the per-call agreement: records in a shared-memory file instead of gloo.
 
 On GPU machines the gloo all-gather of the four-number call record, plus the arrival record in the
-rendezvous store, cost 0.5-0.7 ms per eager call (bench/NOTES.md).  When every rank of a control plane
+rendezvous store, costs a large part of a millisecond per eager call (docs/performance.md).  When every rank of a control plane
 runs on one host, each rank instead writes its record into its own slot of a small file in /dev/shm
 mapped by all of them, and spins until every peer's record for the same call is there: a few µs.
 
@@ -46,7 +46,7 @@ class SharedAgreement:
 
     # -- setup (collective through ``exchange``, the control plane's gloo all-gather) ---------------------
     @classmethod
-    def open(cls, rank: int, size: int, token: str, exchange: Callable[[object], list]) -> Optional["SharedAgreement"]:
+    def open(cls, rank: int, size: int, token: str, exchange: Callable[[object], list]) -> Optional[SharedAgreement]:
         """The shared file for this plane, or None on every rank when any rank cannot map it (another
         /dev/shm, no permission): the caller then agrees over gloo.  Collective."""
         path = os.path.join(_DIR, f"ep_comm_agree_{token}")

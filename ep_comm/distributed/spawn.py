@@ -99,7 +99,8 @@ def spawn_local(
     for rank, p in enumerate(procs):
         res = collected.get(rank)
         if res is None:
-            res = RankResult(rank, False, None, "SpawnError", f"rank {rank} {killed.get(rank) or _exit_reason(p.exitcode)}")
+            why = killed.get(rank) or _exit_reason(p.exitcode)
+            res = RankResult(rank, False, None, "SpawnError", f"rank {rank} {why}")
         res.exitcode = p.exitcode
         out.append(res)
     return out
@@ -171,7 +172,8 @@ def raise_on_failure(results: Sequence[RankResult]) -> list[Any]:
     failed = [r for r in results if not r.ok or r.exitcode not in (0, None)]
     if failed:
         text = "\n".join(
-            f"--- rank {r.rank}: {r.error_type or 'exit'}: {r.error or f'exit code {r.exitcode} after reporting success'}"
+            f"--- rank {r.rank}: {r.error_type or 'exit'}: "
+            f"{r.error or f'exit code {r.exitcode} after reporting success'}"
             f"\n{r.traceback or ''}" for r in failed)
         raise RuntimeError(f"{len(failed)} of {len(results)} ranks failed:\n{text}")
     return [r.value for r in results]

@@ -50,7 +50,7 @@ class Topology:
         return self.host_of(a) == self.host_of(b)
 
     @classmethod
-    def from_host_ids(cls, rank: int, host_ids: Sequence[str], device_index: Optional[int] = None) -> "Topology":
+    def from_host_ids(cls, rank: int, host_ids: Sequence[str], device_index: Optional[int] = None) -> Topology:
         """Build the topology from every rank's host id (index = rank)."""
         by_host: dict[str, list[int]] = {}
         for r, h in enumerate(host_ids):

@@ -109,7 +109,7 @@ class FdServer:
         self._stop.set()
         self._sock.close()
 
-    def __enter__(self) -> "FdServer":
+    def __enter__(self) -> FdServer:
         return self
 
     def __exit__(self, *exc) -> None:

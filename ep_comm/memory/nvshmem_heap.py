@@ -44,7 +44,8 @@ def extension() -> tuple[Optional[Any], str]:
         from .. import _C_nvshmem  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, (f"ep_comm._C_nvshmem is not built ({exc}); it is compiled by `pip install "
-                      "--no-build-isolation -e .` where the NVSHMEM wheel is installed (pip install nvidia-nvshmem-cu13 "
+                      "--no-build-isolation -e .` where the NVSHMEM wheel is installed "
+                      "(pip install nvidia-nvshmem-cu13 "
                       "for a CUDA 13 torch, nvidia-nvshmem-cu12 for CUDA 12; the extra `nvshmem` of this package)")
     return _C_nvshmem, ""
 
@@ -199,7 +200,7 @@ class NvshmemBuffer:
 
     @classmethod
     def create(cls, nbytes: int, control: ControlPlane, topology: Topology, device_index: int,
-               put_mode: bool = False) -> "NvshmemBuffer":
+               put_mode: bool = False) -> NvshmemBuffer:
         """Collective over the communicator's ranks.  Without ``put_mode`` every peer must be reachable
         by stores: ``EPTopologyError`` when ``nvshmem_ptr`` gives no address for one.  With it, such
         peers get address 0 in ``peer_ptrs`` (the kernels reach them with puts)."""

@@ -60,7 +60,7 @@ class Capabilities:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Capabilities":
+    def from_dict(cls, d: dict[str, Any]) -> Capabilities:
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}  # tolerate newer peers' extra fields
         kw["imex_channels"] = tuple(kw.get("imex_channels", ()))
@@ -71,7 +71,7 @@ class Capabilities:
         return json.dumps(self.to_dict(), sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Capabilities":
+    def from_bytes(cls, raw: bytes) -> Capabilities:
         return cls.from_dict(json.loads(raw.decode()))
 
     def can_access(self, pci_bus_id: str) -> Optional[bool]:
@@ -213,7 +213,7 @@ def _probe_uncached(device_index: int) -> Capabilities:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_cached(device_index: int) -> Capabilities:
     return _probe_uncached(device_index)
 

@@ -219,7 +219,7 @@ class SymmetricBuffer:
         *,
         usable_backends: Sequence[str] = DEFAULT_FALLBACK_BACKENDS,
         timeout_s: float = 60.0,
-    ) -> "SymmetricBuffer":
+    ) -> SymmetricBuffer:
         """Collective: allocate ``nbytes`` per rank and map every rank's buffer on every rank.
 
         ``exchange``: None (torch.distributed world), a ProcessGroup, an mpi4py comm or an Exchange.
@@ -245,7 +245,7 @@ class SymmetricBuffer:
 
     @classmethod
     def _create(cls, ex: Exchange, nbytes: int, topology: Optional[Topology], device_index: Optional[int],
-                usable_backends: Sequence[str], timeout_s: float) -> "SymmetricBuffer":
+                usable_backends: Sequence[str], timeout_s: float) -> SymmetricBuffer:
         local_error = ""
         try:
             size = int(nbytes)
@@ -284,7 +284,7 @@ class SymmetricBuffer:
 
     @classmethod
     def _build(cls, ex: Exchange, topo: Topology, plan: HandlePlan, nbytes: int, stride: int,
-               device_index: int, timeout_s: float) -> "SymmetricBuffer":
+               device_index: int, timeout_s: float) -> SymmetricBuffer:
         """Allocate, hand over handles, map.  Each phase ends in a status all-gather, so a failure on
         any rank makes every rank release what it made and raise (nobody is left waiting)."""
         res = _Resources(device_index)
@@ -443,7 +443,7 @@ class SymmetricBuffer:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "SymmetricBuffer":
+    def __enter__(self) -> SymmetricBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

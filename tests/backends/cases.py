@@ -14,7 +14,7 @@ import torch
 
 import ep_comm
 from ep_comm import oracle
-from ep_comm.backends import kernel_protocol as kp
+from ep_comm.backends.one_sided.layout import COMBINE_PULL_ENV
 from ep_comm.cli import written_to_input_buffer
 
 HIDDEN = 256
@@ -245,7 +245,7 @@ def zero_copy_case_names(backend: str, in_place: bool = False) -> list[str]:
 def force_pull(pull: bool) -> None:
     """Zero-copy combines pull (or push) whatever the tests' small max_tokens_per_rank (set in the
     spawned rank before its communicators are made)."""
-    os.environ[kp.COMBINE_PULL_ENV] = "1" if pull else "0"
+    os.environ[COMBINE_PULL_ENV] = "1" if pull else "0"
 
 
 def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True, in_place: bool = False) -> dict:
@@ -391,10 +391,10 @@ def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool
     """Experts that write into ``expert_output_buffer``: the same buffer every call (a view of the
     communicator's buffer when combine pulls), combined in place, against the oracle."""
     problems: list[str] = []
-    pulls = bool(comm._impl.cfg_vec[kp.COMBINE_PULL_INPUT]) if hasattr(comm._impl, "cfg_vec") else False
-    if hasattr(comm._impl, "layout") and pulls != (os.environ.get(kp.COMBINE_PULL_ENV) == "1"
+    pulls = comm.capabilities.combine_in_place
+    if comm.capabilities.recv_hooks and pulls != (os.environ.get(COMBINE_PULL_ENV) == "1"
                                                   and not comm._impl.layout.put_mode):
-        problems.append(f"combine pulls: {pulls}, against ${kp.COMBINE_PULL_ENV} and put mode")
+        problems.append(f"combine pulls: {pulls}, against ${COMBINE_PULL_ENV} and put mode")
     seen = []
     for seed in (31, 32, 33):
         inputs = oracle.random_inputs(cfg, world, seed)
@@ -495,14 +495,15 @@ def zero_copy_graphs(backends=("mnnvl",), hooks: bool = False, in_place: bool = 
 
 # -- the device-side (op, epoch) headers, forced on outside a CUDA graph -----------------------------------
 def device_headers(backend: str) -> dict:
-    """Run with the graph-mode headers switched on (they are normally only used while capturing):
-    clean calls match the oracle and raise nothing; a peer whose data carries another epoch is counted
-    and reported by ``check_errors``.  The backend is driven directly so the host control plane, which
-    would catch the mismatch first, stays out of the way."""
-    from ep_comm.backends import RoutedBatch, gathered
+    """Run the graph-capture path outside a graph (padded sizes, no host agreement, (op, epoch) headers
+    checked on the device): clean calls match the oracle and raise nothing; a peer whose data carries
+    another epoch is counted and reported by ``check_errors``.  The backend's halves are driven
+    directly for the mismatch, so the host control plane, which would catch it first, stays out."""
+    from ep_comm.backends.collective import flow
+    from ep_comm.backends.collective.packing import RoutedBatch
     from ep_comm.routing import sanitize_routing
 
-    gathered.device_checks = lambda ctx: True
+    flow._capturing = lambda device: True
     topo = ep_comm.init_distributed()
     world, rank = topo.world_size, topo.rank
     out: dict[str, list[str]] = {}
@@ -518,7 +519,8 @@ def device_headers(backend: str) -> dict:
             inp = oracle.random_inputs(cfg, world, 78)[rank]
             ids, w, _ = sanitize_routing(inp.topk_ids, inp.topk_weights, cfg.num_experts)
             epoch = 40 + (rank == 1)  # rank 1 is one call ahead
-            d = comm._impl.dispatch(RoutedBatch(inp.x, None, ids, w, epoch, None))
+            batch = RoutedBatch(inp.x, None, ids, w, epoch, None)
+            d = comm._impl.exchange_dispatch(batch, comm._impl.prepare_dispatch(batch, eager=False))
             problems = []
             try:
                 comm.check_errors()
@@ -526,7 +528,9 @@ def device_headers(backend: str) -> dict:
             except ep_comm.EPError as exc:
                 if "another call's epoch" not in str(exc):
                     problems.append(f"unexpected: {exc}")
-            comm._impl.combine(oracle.run_experts(cfg, rank, world, d), d, torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype))
+            expert_out = oracle.run_experts(cfg, rank, world, d)
+            comm._impl.exchange_combine(d, torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype),
+                                        comm._impl.prepare_combine(expert_out, d))
             try:
                 comm.check_errors()
                 problems.append("combine epoch mismatch not reported")

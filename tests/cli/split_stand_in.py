@@ -10,6 +10,7 @@ gets wrong data or an error, not a pass.  ``$EP_COMM_TEST_BROKEN_HOOK=1`` makes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Callable, Optional, Union
 
@@ -22,20 +23,15 @@ from ep_comm.layouts import Dispatched
 BROKEN_ENV = "EP_COMM_TEST_BROKEN_HOOK"
 
 
-class _SplitBackend:
-    """What the bench reads of a backend object: it splits calls at a receive hook, no dedicated SMs."""
-
-    recv_hooks = True
-    num_sms = None
-
-
 class SplitStandIn:
     """A naive communicator whose calls split at a receive hook (see the module docstring)."""
 
     def __init__(self, cfg: EPConfig):
         self._comm = Communicator(cfg)
         self.backend = self._comm.backend
-        self._impl = _SplitBackend()
+        # what the bench reads of the backend: it splits calls at a receive hook, no dedicated SMs
+        self.capabilities = dataclasses.replace(self._comm.capabilities, recv_hooks=True, num_sms=None)
+        self.cfg = cfg
         self._pending = False
         self._broken = os.environ.get(BROKEN_ENV) == "1"
 

@@ -1,0 +1,424 @@
+// One-sided combine: one launch per call (send partials, signal, wait, sum), or two with a receive hook;
+// prefill sizes of the standard layout run grouped (per-group flags, sums interleaved with sends).
+#include <type_traits>
+
+#include "one_sided/kernel_common.cuh"
+
+namespace ep_comm {
+namespace EP_KERNELS {
+namespace {
+
+// ---- combine ------------------------------------------------------------------------------------------
+// This rank's expert rows of received row ``r`` into src/w (one warp): batched, one per local expert
+// with its weight; standard, the row itself (already weighted).  Returns how many (0: padding, which
+// is never read whatever it holds).
+// ``lid``: this lane's entry of the row's local ids (-1 past top_k), loaded by the caller.
+template <typename Tin>
+__device__ __forceinline__ int gather_expert_rows(const CombineParams& p, const Tin* eo, int64_t r, int lid,
+                                                  const Tin** src, float* w, int lane) {
+  const int k = p.c.lay.top_k;
+  const int64_t H = p.c.lay.hidden;
+  const unsigned mask = __ballot_sync(kFull, lid >= 0);
+  if (mask == 0) return 0;
+  int n = 1;
+  if (p.c.lay.batched) {
+    n = __popc(mask);
+    if (lid >= 0) {
+      const int j = __popc(mask & lanes_below(lane));
+      src[j] = eo + static_cast<int64_t>(p.row_slot[r * k + lane]) * H;
+      w[j] = p.row_w[r * k + lane];
+    }
+  } else if (lane == 0) {
+    src[0] = eo + r * H;
+    w[0] = 1.f;
+  }
+  __syncwarp();
+  return n;
+}
+
+__device__ __forceinline__ int row_local_id(const CombineParams& p, int64_t r, int lane) {
+  return lane < p.c.lay.top_k ? p.row_ids[r * p.c.lay.top_k + lane] : -1;
+}
+
+// dst[lo, hi) = sum_j w[j] * src[j] + sum_j part[j] in float32 (one warp); ``part`` are peers' partials
+// (push) or peers' expert rows (pull), read around L1 (ld.cg) since they came over NVLink, as are the
+// own rows (one stream of loads).  ``vec``: rows are 16-byte aligned (hidden % 8 == 0).
+// Each lane keeps kSumRows x kSumCols raw 8-element loads in flight: combine is bound by how many
+// bytes are in flight per SM (Little's law), not by arithmetic.
+constexpr int kSumRows = 2;
+
+// acc += the columns at c0 of w[j] * src[j] (j < n; weight 1 without w), then of part[j] (j < m), in that
+// order.  Both lists go through one stream of loads (ld.cg), two rows at a time: summing the own rows
+// before issuing the peers' loads waited out a local round before each remote one, every 2 KB of a row.
+template <typename T, int kSumCols>
+__device__ __forceinline__ void accumulate_rows(const T* const* src, const float* w, int n, const T* const* part,
+                                                int m, int c0, int hi, float (&acc)[kSumCols][8]) {
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kRows = sizeof(T) == 4 ? 1 : kSumRows;
+  const int total = n + m;
+  for (int j0 = 0; j0 < total; j0 += kRows) {
+    Pack8<T> v[kRows][kSumCols];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = j0 + r;
+      if (j >= total) break;
+      const T* row = j < n ? src[j] : part[j - n];
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].load_cg(row + c0 + c * kStep);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = j0 + r;
+      if (j >= total) break;
+      const float scale = j < n && w != nullptr ? w[j] : 1.f;
+#pragma unroll
+      for (int c = 0; c < kSumCols; ++c)
+        if (c0 + c * kStep < hi) v[r][c].fma_into(scale, acc[c]);
+    }
+  }
+}
+
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
+                                         Tout* dst, int lo, int hi, bool vec, int lane) {
+  if (!vec) {
+    for (int c = lo + lane; c < hi; c += kWarpSize) {
+      float acc = 0.f;
+      for (int j = 0; j < n; ++j) acc = fmaf(w[j], to_float<Tin>(src[j][c]), acc);
+      for (int j = 0; j < m; ++j) acc += to_float<Tout>(part[j][c]);
+      dst[c] = from_float<Tout>(acc);
+    }
+    return;
+  }
+  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kSumCols = sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4;  // fp32 accumulators + packs: registers
+  for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * kSumCols) {
+    float acc[kSumCols][8];
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+    if constexpr (std::is_same<Tin, Tout>::value) {
+      accumulate_rows<Tin, kSumCols>(src, w, n, part, m, c0, hi, acc);
+    } else {  // two element types: one list after the other
+      accumulate_rows<Tin, kSumCols>(src, w, n, nullptr, 0, c0, hi, acc);
+      accumulate_rows<Tout, kSumCols>(nullptr, nullptr, 0, part, m, c0, hi, acc);
+    }
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+      if (c0 + c * kStep < hi) Vec8<Tout>::store(dst + c0 + c * kStep, acc[c]);
+  }
+}
+
+// Piece ``chunk`` of the partial of row (src, t) that this rank computes, into src's combine region
+// (one warp).  Padding rows are never read.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void send_partial_piece(const CombineParams& p, const Tin* eo, int src, int t, int chunk,
+                                                   int parity, const Tin** src_rows, float* w, int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int64_t r = static_cast<int64_t>(src) * L.max_tokens + t;
+  const int n = gather_expert_rows<Tin>(p, eo, r, row_local_id(p, r, lane), src_rows, w, lane);
+  if (n == 0) return;
+  const int64_t off = L.combine_offset[parity] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride;
+  // put mode: summed into this rank's staging partial of (src, t), then put to the same place
+  const int64_t staged = L.stage_combine_offset + (static_cast<int64_t>(src) * L.max_tokens + t) * L.combine_stride;
+  Tout* dst = reinterpret_cast<Tout*>(put_mode(L) ? own_at(p.c, staged) : peer_ptr(p.c, src) + off);
+  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+  if (put_mode(L)) {
+    const int64_t b = static_cast<int64_t>(sizeof(Tout));
+    put_warp(p.c, off + lo * b, (hi - lo) * b, staged + lo * b, src);
+  }
+}
+
+// Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial, read
+// from ``region`` (this rank's combine region, where peers pushed them) or, with ``region`` null (pull),
+// from each peer's own expert-output rows over NVLink.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void sum_output_piece(const CombineParams& p, const Tin* eo, const uint8_t* region, int t,
+                                                 int chunk, const Tin** src_rows, float* w, const Tout** parts,
+                                                 int lane) {
+  const Layout& L = p.c.lay;
+  const int lo = chunk * p.chunk_elems;
+  const int hi = min(L.hidden, lo + p.chunk_elems);
+  const int64_t r = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+  // both of the token's small loads at once (the ids were loaded after the peers' rows were listed)
+  const int d = lane < L.top_k ? p.dest[static_cast<int64_t>(t) * L.top_k + lane] : -1;
+  const int lid = row_local_id(p, r, lane);
+  const bool remote = d >= 0 && d != L.rank;
+  const unsigned remote_mask = __ballot_sync(kFull, remote);
+  const bool has_own = __ballot_sync(kFull, d == L.rank) != 0;
+  if (remote) {
+    // push: [d][t] of this rank's region; pull: [this rank][t] of d's expert rows (its combine half 0)
+    const uint8_t* row = region != nullptr
+                             ? region + (static_cast<int64_t>(d) * L.max_tokens + t) * L.combine_stride
+                             : peer_ptr(p.c, d) + L.combine_offset[0] +
+                                   (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.combine_stride;
+    parts[__popc(remote_mask & lanes_below(lane))] = reinterpret_cast<const Tout*>(row);
+  }
+  __syncwarp();
+  const int n = has_own ? gather_expert_rows<Tin>(p, eo, r, lid, src_rows, w, lane) : 0;
+  sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
+                      lo, hi, L.hidden % 8 == 0, lane);
+  __syncwarp();
+}
+
+__device__ __forceinline__ uint64_t* group_flag(const Common& c, int owner, int parity, int src, int g) {
+  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.group_flags_offset) +
+         (static_cast<int64_t>(parity) * c.lay.world + src) * c.lay.max_groups + g;
+}
+
+// Wait for a peer's group flag; every few hundred polls also look at its call flag, where an abort or
+// a later call shows up (group flags only ever carry combine codes).  Returns false after recording why.
+__device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int src, int g, uint32_t code,
+                                                uint64_t deadline, const ErrorSink& err) {
+  const uint64_t* gf = group_flag(c, c.lay.rank, parity, src, g);
+  const uint64_t* main = flag_slot(c, c.lay.rank, parity, src);
+  uint32_t spins = 0;
+  while (static_cast<uint32_t>(ld_acquire_sys(gf)) != code) {
+    if ((++spins & 255u) != 0) continue;
+    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
+    if (other != 0 && other != code &&
+        ((code_seq(other) == code_seq(code) && code_op(other) != kOpCombine) || code_ahead(other, code))) {
+      err.peer(src, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
+      return false;
+    }
+    if (global_timer_ns() > deadline) {
+      err.peer(src, kReasonTimeout, static_cast<uint32_t>(ld_acquire_sys(gf)), code);
+      err.count(kStatusTimeouts, 1);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Grouped combine (prefill sizes): each block alternates between sending the partials of one group
+// of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
+// tokens whose partials have all been flagged, so the sums run while the link is still busy instead
+// of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
+// (world - 1) groups, the pace at which the peers' matching groups arrive.  Split (p.grouped >= 2):
+// blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
+                                                uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                                float* w, const Tout** parts, int lane, int warp) {
+  const Layout& L = p.c.lay;
+  const int peers = L.world - 1;
+  const int groups = L.max_groups;
+  const int send_units = peers * groups;
+  const int own_groups = (p.num_tokens + kGroupTokens - 1) / kGroupTokens;
+  const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
+  __shared__ int s_ok;
+  // split (p.grouped >= 2): the first blocks only send, the others only sum, so the system fence
+  // before each group's flag stalls senders only and the sums run at the pace the partials land
+  const int senders = p.grouped >= 2 ? min(static_cast<int>(gridDim.x) - 1, p.grouped - 1) : 0;
+  const bool split = senders > 0;
+  const bool summer = split && static_cast<int>(blockIdx.x) >= senders;
+  const int sum_stride = split ? static_cast<int>(gridDim.x) - senders : static_cast<int>(gridDim.x);
+  int next_sum = split ? static_cast<int>(blockIdx.x) - senders : static_cast<int>(blockIdx.x);
+  int sent = 0;               // send units this block finished
+  auto sum_group = [&](int g) {
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      for (int i = 1; i < L.world; ++i) ok = wait_group_flag(p.c, parity, (L.rank + i) % L.world, g, code, deadline, err) && ok;
+      s_ok = ok;
+    }
+    __syncthreads();
+    const int t0 = g * kGroupTokens;
+    const int rows = min(kGroupTokens, p.num_tokens - t0);
+    // after a failed wait the call's result is void (the error record says why): skip the reads
+    for (int item = warp; s_ok && item < rows * p.chunks; item += kWarps)
+      sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
+    __syncthreads();
+  };
+  for (int u = blockIdx.x; !summer && u < send_units; u += split ? senders : gridDim.x) {
+    const int src = (L.rank + 1 + u % peers) % L.world;
+    const int t0 = (u / peers) * kGroupTokens;
+    const int rows = min(kGroupTokens, L.max_tokens - t0);
+    for (int item = warp; item < rows * p.chunks; item += kWarps)
+      send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // the block's partials land before the group's flag
+      st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
+    }
+    ++sent;
+    // sum own groups whose partials should have arrived by now (peers send in the same order)
+    while (!split && next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
+      sum_group(next_sum);
+      next_sum += gridDim.x;
+    }
+  }
+  if (split && !summer) return;
+  for (; next_sum < own_groups; next_sum += sum_stride) sum_group(next_sum);
+}
+
+// Pull combine (zero copy, standard layout, peers reached by stores): every rank's expert rows stay in
+// its combine half 0, where the host had the experts write them.  The call flag says "my rows are
+// readable" and goes out first; each rank then sums its tokens reading the owners' rows over NVLink
+// (one pass: no partials written to a peer and read back), and a second flag per call ("done
+// reading": group flag 0, unused without grouped sends) keeps every rank in the kernel until its
+// peers have read its rows, so that its next expert outputs cannot overwrite them under a reader.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* eo, uint64_t seq, uint32_t code,
+                                             int parity, uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                             float* w, const Tout** parts, int lane, int gwarp, int nwarps) {
+  const Layout& L = p.c.lay;
+  if ((p.phases & kPhaseSend) && blockIdx.x == 0) {
+    __threadfence_system();  // the rows earlier kernels wrote, before the flag that lets peers read them
+    signal_all(p.c, parity, code);
+    stamp(L, kTraceCombine, kTrSignalled);
+  }
+  if (!(p.phases & kPhaseReceive)) {  // send half of a hooked call: only the flag
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last && threadIdx.x == 0)  // every block has read seq
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    return;
+  }
+  __shared__ int s_readable;
+  if (threadIdx.x == 0) {
+    bool ok = true;
+    for (int i = 1; i < L.world; ++i) {
+      const int src = (L.rank + i) % L.world;
+      ok = wait_flag(flag_slot(p.c, L.rank, parity, src), code, src, deadline, err) != 0 && ok;
+    }
+    s_readable = ok;
+  }
+  __syncthreads();
+  stamp(L, kTraceCombine, kTrSource0);
+  // after a failed wait the call's result is void (the error record says why): skip the reads
+  for (int64_t item = gwarp; s_readable && item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+    sum_output_piece<Tin, Tout>(p, eo, nullptr, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+                                src_rows, w, parts, lane);
+  stamp(L, kTraceCombine, kTrSent, true);
+  // every block's reads are summed and stored before it arrives, so the last one may release the peers
+  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+  if (!a.last) return;
+  for (int peer = threadIdx.x; peer < L.world; peer += blockDim.x)
+    if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
+  if (p.phases == kPhaseBoth && threadIdx.x == 0)
+    *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  // wait for the "done" of every peer that released this call's "readable" flag by now, i.e. that may
+  // read this rank's rows; one that never did was recorded by this launch's "readable" wait and is
+  // not reading.  (One whose flag came after that wait gave up finds the deadline passed: it is
+  // recorded again and not waited for.)  Decided per launch: the error record persists across
+  // graph replays.
+  for (int src = threadIdx.x; src < L.world; src += blockDim.x)
+    if (src != L.rank && static_cast<uint32_t>(ld_acquire_sys(flag_slot(p.c, L.rank, parity, src))) == code)
+      wait_group_flag(p.c, parity, src, 0, code, deadline, err);
+  stamp(L, kTraceCombine, kTrArrived, true);
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
+  const Layout& L = p.c.lay;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp;
+  const int nwarps = gridDim.x * kWarps;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const ErrorSink err{p.c.status, L.pending, L.world};
+  const auto [seq, code, parity] = current_call(p.c, kOpCombine, p.phases);
+  stamp(L, kTraceCombine, kTrStart);
+
+  __shared__ const Tin* s_src[kWarps][kMaxTopK];
+  __shared__ float s_w[kWarps][kMaxTopK];
+  __shared__ const Tout* s_part[kWarps][kMaxTopK];
+  const Tin* eo = static_cast<const Tin*>(p.expert_out);
+
+  if (p.pull) {
+    combine_pull<Tin, Tout>(p, eo, seq, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, gwarp,
+                            nwarps);
+    stamp(L, kTraceCombine, kTrEnd);
+    return;
+  }
+  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth && !put_mode(L)) {  // (never grouped in put mode)
+    combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+    stamp(L, kTraceCombine, kTrSent, true);
+    // the call flag still goes out (peers on another call see it), but nothing here waits for it
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last) {
+      signal_all(p.c, parity, code);
+      stamp(L, kTraceCombine, kTrSignalled);
+      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    }
+    // a rank without tokens waited for no group above: it still ends only once every peer has sent
+    // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
+    // next call's flags could overwrite a slot a slow peer has not read yet
+    if (p.num_tokens == 0 && blockIdx.x == 0)
+      for (int i = threadIdx.x; i < L.world; i += blockDim.x)
+        if (i != L.rank) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
+    stamp(L, kTraceCombine, kTrEnd, true);
+    return;
+  }
+
+  if (p.phases & kPhaseSend) {
+  // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
+  // the partials of this rank's own tokens are summed straight from expert_out when receiving
+  const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
+  for (int64_t item = gwarp; item < peer_items; item += nwarps) {
+    const int64_t q = item / p.chunks;
+    const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
+    send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),
+                                  parity, s_src[warp], s_w[warp], lane);
+  }
+  if (put_mode(L)) put_quiet();
+
+  stamp(L, kTraceCombine, kTrSent, true);
+  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+  stamp(L, kTraceCombine, kTrArrived);
+  if (a.last) {
+    signal_all(p.c, parity, code);
+    stamp(L, kTraceCombine, kTrSignalled);
+    if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  }
+  if (!(p.phases & kPhaseReceive)) return;
+  }  // send half
+
+  // ---- receive: wait for every peer's partials, then per own token sum them with this rank's own
+  // expert rows in float32
+  uint8_t* const own = peer_ptr(p.c, L.rank);
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < L.world; ++i) {
+      const int src = (L.rank + i) % L.world;
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
+      wait_flag(flag, code, src, deadline, err);
+    }
+  }
+  __syncthreads();
+  stamp(L, kTraceCombine, kTrSource0);
+  const uint8_t* region = own + L.combine_offset[parity];
+  for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
+    sum_output_piece<Tin, Tout>(p, eo, region, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+                                s_src[warp], s_w[warp], s_part[warp], lane);
+  stamp(L, kTraceCombine, kTrEnd, true);
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
+                           cudaStream_t stream) {
+  const dim3 grid(num_blocks), block(kThreads);
+#define EP_COMBINE_OUT(Tin)                                                                     \
+  do {                                                                                          \
+    switch (out_dtype) {                                                                        \
+      case kBf16: combine_kernel<Tin, __nv_bfloat16><<<grid, block, 0, stream>>>(p); break;     \
+      case kFp16: combine_kernel<Tin, __half><<<grid, block, 0, stream>>>(p); break;            \
+      default: combine_kernel<Tin, float><<<grid, block, 0, stream>>>(p); break;                \
+    }                                                                                           \
+  } while (0)
+  switch (in_dtype) {
+    case kBf16: EP_COMBINE_OUT(__nv_bfloat16); break;
+    case kFp16: EP_COMBINE_OUT(__half); break;
+    default: EP_COMBINE_OUT(float); break;
+  }
+#undef EP_COMBINE_OUT
+  return cudaGetLastError();
+}
+
+}  // namespace EP_KERNELS
+}  // namespace ep_comm

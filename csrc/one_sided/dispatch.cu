@@ -1,0 +1,563 @@
+// One-sided dispatch: one launch per call (send, signal, wait, lay out), or two with a receive hook
+// (phases in protocol.h).  Also the abort and id-check kernels.
+#include <type_traits>
+
+#include "one_sided/kernel_common.cuh"
+
+namespace ep_comm {
+namespace EP_KERNELS {
+
+Layout layout_from_cfg(const int64_t* cfg) {
+  Layout l;
+  l.rank = static_cast<int>(cfg[kCfgRank]);
+  l.world = static_cast<int>(cfg[kCfgWorld]);
+  l.max_tokens = static_cast<int>(cfg[kCfgMaxTokens]);
+  l.num_experts = static_cast<int>(cfg[kCfgNumExperts]);
+  l.num_local = static_cast<int>(cfg[kCfgNumLocal]);
+  l.top_k = static_cast<int>(cfg[kCfgTopK]);
+  l.hidden = static_cast<int>(cfg[kCfgHidden]);
+  l.batched = static_cast<int>(cfg[kCfgBatched]);
+  l.row_stride = cfg[kCfgRowStride];
+  l.payload_offset = cfg[kCfgPayloadOffset];
+  l.scale_offset = cfg[kCfgScaleOffset];
+  l.payload_max = cfg[kCfgPayloadMax];
+  l.scale_max = cfg[kCfgScaleMax];
+  l.flags_offset = cfg[kCfgFlagsOffset];
+  l.dispatch_offset[0] = cfg[kCfgDispatchOffset0];
+  l.dispatch_offset[1] = cfg[kCfgDispatchOffset1];
+  l.combine_offset[0] = cfg[kCfgCombineOffset0];
+  l.combine_offset[1] = cfg[kCfgCombineOffset1];
+  l.counts_offset[0] = cfg[kCfgCountsOffset0];
+  l.counts_offset[1] = cfg[kCfgCountsOffset1];
+  l.combine_stride = cfg[kCfgCombineStride];
+  l.timeout_ns = static_cast<uint64_t>(cfg[kCfgTimeoutNs]);
+  l.pending = reinterpret_cast<int32_t*>(static_cast<uintptr_t>(cfg[kCfgPendingPtr]));
+  l.trace = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(cfg[kCfgTracePtr]));
+  l.group_flags_offset = cfg[kCfgGroupFlagsOffset];
+  l.max_groups = max_groups(l.max_tokens);
+  l.put = static_cast<int>(cfg[kCfgPutMode]);
+  l.stage_offset = cfg[kCfgStageOffset];
+  l.stage_combine_offset = cfg[kCfgStageCombineOffset];
+  l.stage_counts_offset = cfg[kCfgStageCountsOffset];
+  l.zero_copy = static_cast<int>(cfg[kCfgZeroCopy]);
+  return l;
+}
+
+namespace {
+
+// ---- dispatch ----------------------------------------------------------------------------------------
+// Routing of one token, computed by the warp that sends it: lane j < k owns slot j.
+struct Route {
+  int keep;        // slot j holds the first occurrence of a valid expert id
+  int owner_rank;  // -1 unless keep
+  int local;       // local expert index on owner_rank
+  float weight;    // merged weight of every occurrence of the id (0 unless keep)
+  unsigned leaders;  // lanes holding the first slot of each distinct destination rank
+  int num_dest;
+};
+
+template <bool kIds64>
+__device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int lane, bool count_invalid,
+                                             const ErrorSink& err) {
+  const int k = p.c.lay.top_k;
+  long long raw = -1;
+  float w = 0.f;
+  if (lane < k) {
+    raw = kIds64 ? static_cast<const int64_t*>(p.ids)[static_cast<int64_t>(t) * k + lane]
+                 : static_cast<const int32_t*>(p.ids)[static_cast<int64_t>(t) * k + lane];
+    w = p.weights[static_cast<int64_t>(t) * k + lane];
+  }
+  const bool invalid = lane < k && (raw < -1 || raw >= p.c.lay.num_experts);
+  const int id = invalid ? -1 : static_cast<int>(raw);
+  const bool valid = lane < k && id >= 0;
+  float merged = 0.f;
+  bool dup = false;
+  for (int j = 0; j < k; ++j) {  // slot order, so merged weights add up like the oracle's
+    const int other = __shfl_sync(kFull, id, j);
+    const float ow = __shfl_sync(kFull, w, j);
+    if (valid && other == id) {
+      merged += ow;
+      if (j < lane) dup = true;
+    }
+  }
+  Route r;
+  r.keep = valid && !dup;
+  const int owner = r.keep ? __ldg(p.expert_owner + id) : -1;
+  r.owner_rank = r.keep ? (owner >> 16) : -1;
+  r.local = r.keep ? (owner & 0xffff) : -1;
+  r.weight = r.keep ? merged : 0.f;
+  bool leader = r.keep;
+  for (int j = 0; j < k; ++j) {
+    const int other = __shfl_sync(kFull, r.owner_rank, j);
+    if (j < lane && other == r.owner_rank) leader = false;
+  }
+  r.leaders = __ballot_sync(kFull, leader);
+  r.num_dest = __popc(r.leaders);
+  if (invalid && count_invalid) {
+    err.count(kStatusInvalidIds, 1);
+    if (p.abandon_on_invalid) atomicAdd(p.c.counters + kStateCallInvalid, 1ull);
+  }
+  return r;
+}
+
+// Lanes j < k hold local expert id ``lid`` (-1: none), weight ``lw`` and, batched, the slot inside
+// that expert of output row ``row``.  Leaves in ``dst`` / ``dst_s`` where the row's payload and scales
+// go (the standard row, or one batched slot per expert) and returns how many; with ``write_ids`` also
+// writes the row's ids, weights and slots.  A row whose ids are all -1 is padding: nothing to copy.
+// Zero copy: the standard row ``src * max_tokens + t`` is row (src, t) of this rank's dispatch half 0,
+// where source src's rows arrive, so only this rank's own rows are copied (while sending).
+__device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, int slot,
+                                         bool write_ids, uint8_t** dst, uint8_t** dst_s, int lane) {
+  const int k = p.c.lay.top_k;
+  const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
+  if (write_ids && lane < k) {
+    p.row_ids[row * k + lane] = lid;
+    p.row_w[row * k + lane] = lid >= 0 ? lw : 0.f;
+    if (p.c.lay.batched) p.row_slot[row * k + lane] = static_cast<int32_t>(flat);
+  }
+  const unsigned mask = __ballot_sync(kFull, lid >= 0);
+  if (!p.c.lay.batched) {
+    if (lane == 0) {
+      const Layout& L = p.c.lay;
+      if (L.zero_copy) {
+        uint8_t* r = peer_ptr(p.c, L.rank) + L.dispatch_offset[0] + row * L.row_stride;
+        dst[0] = r + L.payload_offset;
+        dst_s[0] = p.scale_bytes ? r + L.scale_offset : nullptr;
+      } else {
+        dst[0] = static_cast<uint8_t*>(p.out_x) + row * p.payload_bytes;
+        dst_s[0] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + row * p.scale_bytes : nullptr;
+      }
+    }
+    __syncwarp();
+    return mask ? 1 : 0;
+  }
+  if (lid >= 0) {
+    const int j = __popc(mask & lanes_below(lane));
+    dst[j] = static_cast<uint8_t*>(p.out_x) + flat * p.payload_bytes;
+    dst_s[j] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + flat * p.scale_bytes : nullptr;
+  }
+  __syncwarp();
+  return __popc(mask);
+}
+
+// Bytes [lo, hi) of token t's wire payload (quantised from x when kQuant >= 0) to ``nd`` rows whose
+// payload starts at dst[i] and scales at dst_s[i]; the piece with lo == 0 also carries the scales.
+template <int kQuant>
+__device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
+                                             uint8_t** dst_s, int nd, int lane) {
+  using QuantIn = typename std::conditional<kQuant == kFp16, __half,
+                  typename std::conditional<kQuant == kFp32, float, __nv_bfloat16>::type>::type;
+  if (nd == 0) return;
+  if (lane < nd) {
+    dst[lane] += lo;
+    if (kQuant >= 0) dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
+  }
+  __syncwarp();
+  if (kQuant >= 0) {
+    // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle pieces
+    const QuantIn* src =
+        reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes) + lo;
+    warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
+                                  lane);
+  } else {
+    const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
+    // zero copy with x already in this rank's own rows (Communicator.dispatch_input_buffer): the own
+    // share's destination is the source itself, nothing to move
+    if (nd > 1 || dst[0] != src) warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
+    if (lo == 0 && p.scale_bytes > 0) {
+      const uint8_t* ssrc = static_cast<const uint8_t*>(p.x_scales) + static_cast<int64_t>(t) * p.scale_bytes;
+      warp_copy_multi<false>(ssrc, dst_s, nd, p.scale_bytes, lane);
+    }
+  }
+  __syncwarp();
+}
+
+// Zero copy, standard layout: the local ids and weights of received row ``row_index`` (its header and
+// meta at ``row``; ``live``: below the source's token count), by one lane.  A row of another call or
+// of another width is dropped (-1), the latter recorded as a format error.  With k a multiple of 4 the
+// meta moves in 16-byte pieces: a warp's lanes hold rows the grid's warp count apart, so each load or
+// store instruction is 32 transactions, and 4-byte ones issued 4x as many.
+__device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const uint8_t* row, int64_t row_index,
+                                                 bool live, uint32_t code, int src, const ErrorSink& err) {
+  const int k = p.c.lay.top_k, nl = p.c.lay.num_local;
+  bool valid = false;
+  if (live) {
+    const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
+    valid = static_cast<uint32_t>(h.x) == code;
+    if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
+      err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
+      err.count(kStatusRowFormat, 1);
+      valid = false;
+    }
+  }
+  const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+  const float* weights = reinterpret_cast<const float*>(meta + k);
+  int32_t* out_ids = p.row_ids + row_index * k;
+  float* out_w = p.row_w + row_index * k;
+  // never trust an id from another process: out of range means dropped
+  auto keep = [nl](int lid) { return lid >= 0 && lid < nl; };
+  const bool vec = (k & 3) == 0 &&
+                   ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out_ids) |
+                     reinterpret_cast<uintptr_t>(out_w)) & 15) == 0;
+  if (vec) {
+    for (int j = 0; j < k; j += 4) {
+      int4 id = make_int4(-1, -1, -1, -1);
+      float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (valid) {
+        id = ld_cg(reinterpret_cast<const int4*>(meta + j));
+        w = __ldcg(reinterpret_cast<const float4*>(weights + j));
+      }
+      const bool kx = keep(id.x), ky = keep(id.y), kz = keep(id.z), kw = keep(id.w);
+      *reinterpret_cast<int4*>(out_ids + j) = make_int4(kx ? id.x : -1, ky ? id.y : -1, kz ? id.z : -1, kw ? id.w : -1);
+      *reinterpret_cast<float4*>(out_w + j) = make_float4(kx ? w.x : 0.f, ky ? w.y : 0.f, kz ? w.z : 0.f, kw ? w.w : 0.f);
+    }
+    return;
+  }
+  for (int j0 = 0; j0 < k; j0 += 8) {
+    int lid[8];
+    float w[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // every load of the group before any store (which may alias them)
+      const bool here = valid && j0 + u < k;
+      lid[u] = here ? __ldcg(meta + j0 + u) : -1;
+      w[u] = here ? __ldcg(weights + j0 + u) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (j0 + u >= k) break;
+      out_ids[j0 + u] = keep(lid[u]) ? lid[u] : -1;
+      out_w[j0 + u] = keep(lid[u]) ? w[u] : 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ bool wait_u32(const uint32_t* p, uint32_t want, uint64_t deadline, const ErrorSink& err) {
+  uint32_t spins = 0;
+  while (true) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v == want) return true;
+    if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
+      err.count(kStatusLocalStall, 1);
+      return false;
+    }
+  }
+}
+
+// put mode: offset of the staging row of (destination, token) in this rank's buffer
+__device__ __forceinline__ int64_t stage_row_off(const Layout& L, int dest, int t) {
+  return L.stage_offset + (static_cast<int64_t>(dest) * L.max_tokens + t) * L.row_stride;
+}
+
+// put mode: what this warp just wrote into the staging rows of its ``nd`` destinations (``dest_rank``),
+// to the row at ``row_off`` of each: the meta with piece 0, payload bytes [lo, hi) and their scales
+// (fp8: the piece's own 128-channel blocks; carried scales: all of them with piece 0).
+template <int kQuant>
+__device__ __forceinline__ void put_staged_piece(const DispatchParams& p, int64_t row_off, int t, int chunk,
+                                                 int64_t lo, int64_t hi, const int* dest_rank, int nd) {
+  const Layout& L = p.c.lay;
+  int64_t s_lo = 0, s_hi = 0;
+  if (kQuant >= 0) {
+    s_lo = lo / 128 * 4;
+    s_hi = (hi + 127) / 128 * 4;
+  } else if (chunk == 0) {
+    s_hi = p.scale_bytes;
+  }
+  for (int i = 0; i < nd; ++i) {
+    const int d = dest_rank[i];
+    const int64_t stage = stage_row_off(L, d, t);
+    if (chunk == 0) put_warp(p.c, row_off, L.payload_offset, stage, d);
+    put_warp(p.c, row_off + L.payload_offset + lo, hi - lo, stage + L.payload_offset + lo, d);
+    put_warp(p.c, row_off + L.scale_offset + s_lo, s_hi - s_lo, stage + L.scale_offset + s_lo, d);
+  }
+}
+
+template <int kQuant, bool kIds64>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
+  const Layout& L = p.c.lay;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp;
+  const int nwarps = gridDim.x * kWarps;
+  const int k = L.top_k;
+  const int nl = L.num_local;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const ErrorSink err{p.c.status, L.pending, L.world};
+  const auto [seq, code, parity] = current_call(p.c, kOpDispatch, p.phases);
+  // zero copy keeps every call's rows in half 0: the host's views of them must not move between calls
+  // (the rows of call n are consumed before the combine of call n, which every peer's call n + 1 waits
+  // for; the host refuses a dispatch before the combine of the previous one)
+  const int data_half = L.zero_copy ? 0 : parity;
+  stamp(L, kTraceDispatch, kTrStart);
+
+  __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
+  __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
+  __shared__ int s_dst_rank[kWarps][kMaxTopK];
+  extern __shared__ int s_prefix[];  // [2 * num_local]: slot base per expert, this source's counts
+  uint8_t** dst = s_dst[warp];
+  uint8_t** dst_s = s_dst_s[warp];
+
+  if (p.phases & kPhaseSend) {
+  // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
+  // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
+  const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
+  for (int64_t item = gwarp; item < items; item += nwarps) {
+    const int t = static_cast<int>(item / p.chunks);
+    const int chunk = static_cast<int>(item % p.chunks);
+    const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);
+    const bool leader = r.keep && ((r.leaders >> lane) & 1u);
+    const bool remote = leader && r.owner_rank != L.rank;
+    const unsigned remote_mask = __ballot_sync(kFull, remote);
+    const int n_remote = __popc(remote_mask);
+    const bool own = r.keep && r.owner_rank == L.rank;
+    const bool has_own = __ballot_sync(kFull, own) != 0;
+    int slot = -1;  // index of this (token, expert) among the rows sent to that expert
+    if (chunk == 0) {
+      if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
+      if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
+      // batched slots need each (destination, expert)'s row numbering; the standard layout does not
+      if (r.keep && L.batched) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
+      if (L.batched && p.chunks > 1 && has_own) {  // the other pieces' warps need the own slots
+        if (lane < k) p.self_slot[static_cast<int64_t>(t) * k + lane] = own ? slot : -1;
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence();
+          atomicExch(p.self_ready + t, code);
+        }
+      }
+    }
+    // the row's offset in its owner's buffer; put mode writes it to this rank's staging row first
+    const int64_t row_off =
+        L.dispatch_offset[data_half] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
+    if (remote) {
+      const int i = __popc(remote_mask & lanes_below(lane));
+      uint8_t* row = put_mode(L) ? own_at(p.c, stage_row_off(L, r.owner_rank, t))
+                                 : peer_ptr(p.c, r.owner_rank) + row_off;
+      dst[i] = row + L.payload_offset;
+      dst_s[i] = row + L.scale_offset;
+      s_dst_rank[warp][i] = r.owner_rank;
+    }
+    __syncwarp();
+    if (chunk == 0) {
+      for (int i = 0; i < n_remote; ++i) {
+        uint8_t* row = dst[i] - L.payload_offset;
+        const int dst_rank = s_dst_rank[warp][i];
+        if (lane < k) {
+          const bool mine = r.keep && r.owner_rank == dst_rank;
+          int32_t* meta = reinterpret_cast<int32_t*>(row + sizeof(RowHeader));
+          meta[lane] = mine ? r.local : -1;
+          reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
+          meta[2 * k + lane] = mine ? slot : -1;
+        }
+        if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
+          *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
+                                                    static_cast<int32_t>(p.scale_bytes), t);
+        }
+      }
+    }
+    const int64_t lo = chunk * p.chunk_bytes;
+    const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote, lane);
+    if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
+
+    // own share: this rank's source comes first in its own batched layout, so slot = index
+    const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+    if (has_own) {
+      if (L.batched && chunk > 0) {
+        if (lane == 0) wait_u32(p.self_ready + t, code, deadline, err);
+        __syncwarp();
+        slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
+      }
+      const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
+      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane);
+    } else if (chunk == 0) {
+      place_row(p, row, -1, 0.f, -1, true, dst, dst_s, lane);  // padding
+    }
+  }
+
+  // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
+  if (put_mode(L)) put_quiet();
+  stamp(L, kTraceDispatch, kTrSent, true);
+  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
+  stamp(L, kTraceDispatch, kTrArrived);
+  if (a.last) {
+    for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
+      const int peer = i / nl;
+      // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
+      int32_t* slot = put_mode(L) && peer != L.rank
+                          ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
+                          : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) + L.rank * nl + i % nl;
+      *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
+      p.send_count[i] = 0;  // ready for the next call
+    }
+    __syncthreads();
+    if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
+      const int64_t bytes = static_cast<int64_t>(nl) * 4;
+      for (int peer = warp; peer < L.world; peer += kWarps)
+        if (peer != L.rank)
+          put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
+      put_quiet();
+      __syncthreads();
+    }
+    // every block counted its invalid ids before arriving
+    __shared__ int s_abandon;
+    if (threadIdx.x == 0)
+      s_abandon = p.abandon_on_invalid && atomicExch(p.c.counters + kStateCallInvalid, 0ull) != 0ull;
+    __syncthreads();
+    if (s_abandon) signal_all(p.c, parity, make_code(seq, kOpAbort));
+    else signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+    stamp(L, kTraceDispatch, kTrSignalled);
+  }
+  if (!a.ok) return;
+  if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
+    *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+  if (!(p.phases & kPhaseReceive)) return;
+  }  // send half
+
+  // ---- receive: sources in the order own, rank+1, rank+2, ...; a source's rows of expert e take the
+  // slots after every earlier source's (prefix of the published counts)
+  __shared__ uint64_t s_flag;
+  int* const s_base = s_prefix;
+  int* const s_count = s_prefix + nl;
+  for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] = 0;
+  uint8_t* const own_buf = peer_ptr(p.c, L.rank);
+  const int32_t* const counts = reinterpret_cast<const int32_t*>(own_buf + L.counts_offset[parity]);
+  for (int i = 0; i < L.world; ++i) {
+    const int src = (L.rank + i) % L.world;
+    if (threadIdx.x == 0) {
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
+      uint64_t v = wait_flag(flag, code, src, deadline, err);
+      if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
+        if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
+        v = 0;
+      }
+      s_flag = v;
+    }
+    __syncthreads();
+    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i);
+    const bool arrived = s_flag != 0;
+    const int src_tokens = static_cast<int>(s_flag >> 32);
+    for (int e = threadIdx.x; e < nl; e += blockDim.x)
+      s_count[e] = arrived && L.batched ? __ldcg(counts + static_cast<int64_t>(src) * nl + e) : 0;
+    __syncthreads();
+    if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
+      for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
+        place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
+    } else if (L.zero_copy && !L.batched) {
+      // the payload stays where it landed: only the ids and weights of each row, one row per lane (a
+      // warp per row would wait out a dependent header -> meta -> store chain for every row); row t
+      // goes to warp t % nwarps, as 32 consecutive rows per warp left two thirds of the SMs idle at
+      // 4096 rows on 24 SMs
+      const uint8_t* region =
+          own_buf + L.dispatch_offset[0] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+      for (int64_t t = gwarp + static_cast<int64_t>(lane) * nwarps; t < L.max_tokens; t += static_cast<int64_t>(nwarps) * 32)
+        receive_row_meta(p, region + t * L.row_stride, static_cast<int64_t>(src) * L.max_tokens + t, t < src_tokens,
+                         code, src, err);
+    } else {
+      const uint8_t* region =
+          own_buf + L.dispatch_offset[data_half] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
+      const int64_t src_items = static_cast<int64_t>(L.max_tokens) * p.chunks;
+      for (int64_t item = gwarp; item < src_items; item += nwarps) {
+        const int t = static_cast<int>(item / p.chunks);
+        const int chunk = static_cast<int>(item % p.chunks);
+        const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
+        const uint8_t* row = region + t * L.row_stride;
+        bool valid = false;
+        if (t < src_tokens) {
+          const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
+          valid = static_cast<uint32_t>(h.x) == code;
+          if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
+            if (lane == 0 && chunk == 0) {
+              err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
+              err.count(kStatusRowFormat, 1);
+            }
+            valid = false;
+          }
+        }
+        if (!valid && chunk > 0) continue;
+        int lid = -1, slot = -1;
+        float lw = 0.f;
+        if (valid && lane < k) {
+          const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+          lid = __ldcg(meta + lane);
+          lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
+          const int idx = __ldcg(meta + 2 * k + lane);
+          // never trust an index from another process: out of range means dropped
+          if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[lid]))) lid = -1;
+          else slot = s_base[lid] + idx;
+        }
+        const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
+        if (n == 0) continue;
+        const int64_t lo = chunk * p.chunk_bytes;
+        const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+        if (lane < n) dst[lane] += lo;
+        __syncwarp();
+        warp_copy_multi<true>(row + L.payload_offset + lo, dst, n, hi - lo, lane);
+        if (chunk == 0 && p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i + 1);
+    for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] += s_count[e];
+    __syncthreads();
+  }
+  if (L.batched && blockIdx.x == 0)
+    for (int e = threadIdx.x; e < nl; e += blockDim.x) p.counts[e] = s_base[e];
+  stamp(L, kTraceDispatch, kTrEnd, true);
+}
+
+__global__ void abort_kernel(const Common c) {
+  const auto [seq, code, parity] = current_call(c, kOpAbort, kPhaseBoth);
+  signal_all(c, parity, code);
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
+}
+
+template <bool kIds64>
+__global__ void check_ids_kernel(const void* ids, int64_t n, int num_experts, int32_t* flag) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const long long v = kIds64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+    if (v < -1 || v >= num_experts) st_volatile_sys_i32(flag, 1);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_int64, int num_blocks,
+                            cudaStream_t stream) {
+  const dim3 grid(num_blocks), block(kThreads);
+  const size_t smem = 2 * sizeof(int) * static_cast<size_t>(p.c.lay.num_local);
+#define EP_DISPATCH(Q)                                                                          \
+  do {                                                                                          \
+    if (ids_int64) dispatch_kernel<Q, true><<<grid, block, smem, stream>>>(p);                  \
+    else dispatch_kernel<Q, false><<<grid, block, smem, stream>>>(p);                           \
+  } while (0)
+  switch (quant_dtype) {
+    case kBf16: EP_DISPATCH(kBf16); break;
+    case kFp16: EP_DISPATCH(kFp16); break;
+    case kFp32: EP_DISPATCH(kFp32); break;
+    default: EP_DISPATCH(-1); break;
+  }
+#undef EP_DISPATCH
+  return cudaGetLastError();
+}
+
+cudaError_t launch_abort(const Common& c, cudaStream_t stream) {
+  abort_kernel<<<1, 128, 0, stream>>>(c);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num_experts, int32_t* flag,
+                             cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 1024));
+  if (ids_int64) check_ids_kernel<true><<<blocks, threads, 0, stream>>>(ids, n, num_experts, flag);
+  else check_ids_kernel<false><<<blocks, threads, 0, stream>>>(ids, n, num_experts, flag);
+  return cudaGetLastError();
+}
+
+}  // namespace EP_KERNELS
+}  // namespace ep_comm

@@ -1,0 +1,97 @@
+// Device helpers the one-sided kernels share (peer pointers, call flags, signalling, phase stamps).
+// Included by dispatch.cu and combine.cu; everything here has internal linkage.
+#pragma once
+
+#include "common/device.cuh"
+#include "one_sided/one_sided.cuh"
+
+#ifdef EP_COMM_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace ep_comm {
+namespace EP_KERNELS {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint8_t* peer_ptr(const Common& c, int r) {
+  return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.peer_base[r]));
+}
+
+__device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int parity, int src) {
+  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.flags_offset) + parity * c.lay.world + src;
+}
+
+// ---- put mode (one_sided.cuh): the compiler drops all of it outside the NVSHMEM build ----------------------
+__device__ __forceinline__ bool put_mode(const Layout& L) {
+#ifdef EP_COMM_NVSHMEM
+  return L.put != 0;
+#else
+  return false;
+#endif
+}
+
+// This rank's address of the symmetric object at byte ``off`` of the buffer (what NVSHMEM calls take
+// for the peer's copy at the same offset).
+__device__ __forceinline__ uint8_t* own_at(const Common& c, int64_t off) { return peer_ptr(c, c.lay.rank) + off; }
+
+// Bytes [off, off + n) of this rank's buffer (staged there) to the same offset of rank ``pe``'s buffer;
+// one warp, non-blocking: the staging bytes must stay until put_quiet().
+__device__ __forceinline__ void put_warp(const Common& c, int64_t off, int64_t n, int64_t staged_off, int pe) {
+#ifdef EP_COMM_NVSHMEM
+  if (n > 0) nvshmemx_putmem_nbi_warp(own_at(c, off), own_at(c, staged_off), static_cast<size_t>(n), pe);
+#endif
+}
+
+// Completes this thread's puts (before the grid arrival that precedes the signals).
+__device__ __forceinline__ void put_quiet() {
+#ifdef EP_COMM_NVSHMEM
+  nvshmem_quiet();
+#endif
+}
+
+// The call a kernel belongs to, from the device-side call counter: its number, flag code and buffer
+// parity.  A receive half runs right after its send half (the host refuses other calls in between),
+// which already advanced the counter.
+struct CallId {
+  uint64_t seq;
+  uint32_t code;
+  int parity;
+};
+
+__device__ __forceinline__ CallId current_call(const Common& c, uint32_t op, int phases) {
+  const uint64_t seq = *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) -
+                       (phases == kPhaseReceive ? 1 : 0);
+  return CallId{seq, make_code(seq, op), static_cast<int>(seq & 1)};
+}
+
+__device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
+
+// Phase stamp of this block when tracing is on (EP_COMM_TRACE=1); with ``sync`` the whole block
+// reaches the point first.  The condition is uniform over the grid, so the barrier is safe.
+__device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sync = false) {
+  if (L.trace == nullptr) return;
+  if (sync) __syncthreads();
+  if (threadIdx.x == 0)
+    L.trace[(static_cast<int64_t>(op) * gridDim.x + blockIdx.x) * kTraceSlots + slot] = global_timer_ns();
+}
+
+// Signal every peer (and this rank) that this launch's sends are complete.  Called by the last
+// block to arrive; each thread releases its own flag so the NVLink round trips overlap.
+__device__ __forceinline__ void signal_all(const Common& c, int parity, uint64_t value) {
+  for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+#ifdef EP_COMM_NVSHMEM
+    if (put_mode(c.lay) && peer != c.lay.rank) {  // ordered after this rank's quieted puts
+      nvshmemx_signal_op(flag_slot(c, c.lay.rank, parity, c.lay.rank), value, NVSHMEM_SIGNAL_SET, peer);
+      continue;
+    }
+#endif
+    st_release_sys(flag_slot(c, peer, parity, c.lay.rank), value);
+  }
+}
+
+}  // namespace
+}  // namespace EP_KERNELS
+}  // namespace ep_comm

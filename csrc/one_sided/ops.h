@@ -1,0 +1,237 @@
+// The one-sided ops' implementations, compiled into ep_comm._C (namespace one_sided: ops mnnvl_*) and
+// ep_comm._C_nvshmem (EP_COMM_NVSHMEM, namespace one_sided_nvshmem: ops nvshmem_*, put mode available).
+// Ops launch on the current CUDA stream and never synchronise (CUDA graphs); their fake
+// implementations for torch.compile live in ep_comm/backends/one_sided/ops.py.
+#pragma once
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "common/op_utils.h"
+#include "common/protocol.h"
+#include "one_sided/one_sided.cuh"
+
+namespace ep_comm {
+
+namespace EP_KERNELS {
+
+inline Common common(const at::Tensor& state, const at::Tensor& peer_base, const std::vector<int64_t>& cfg) {
+  TORCH_CHECK(static_cast<int64_t>(cfg.size()) == kCfgLen, "ep_comm: config vector has ", cfg.size(),
+              " entries, expected ", static_cast<int>(kCfgLen));
+  TORCH_CHECK(state.is_cuda() && state.scalar_type() == at::kLong && state.is_contiguous(), "ep_comm: bad state");
+  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong, "ep_comm: bad peer table");
+  Common c;
+  c.lay = layout_from_cfg(cfg.data());
+#ifndef EP_COMM_NVSHMEM
+  TORCH_CHECK(c.lay.put == 0, "ep_comm: put mode needs the NVSHMEM build (ep_comm._C_nvshmem ops)");
+#endif
+  TORCH_CHECK(state.numel() * 2 >= 2 * kStateCounters + status_words(c.lay.world), "ep_comm: state too small");
+  c.peer_base = peer_base.data_ptr<int64_t>();
+  c.counters = reinterpret_cast<unsigned long long*>(state.data_ptr<int64_t>());
+  c.status = reinterpret_cast<int32_t*>(state.data_ptr<int64_t>() + kStateCounters);
+  return c;
+}
+
+using DispatchOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// What both halves of a dispatch derive from x and x_scales: row widths on the wire and how rows are
+// split into pieces across warps.
+struct RowShape {
+  int64_t payload_bytes, scale_bytes, x_width, s_width;
+  at::ScalarType x_type, s_type;
+};
+
+inline RowShape row_shape(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const std::vector<int64_t>& cfg) {
+  const bool quant = cfg[kCfgQuantFp8] != 0;
+  const int64_t hidden = cfg[kCfgHidden];
+  RowShape r{quant ? hidden : x.size(1) * x.element_size(), 0, quant ? hidden : x.size(1), 0,
+             quant ? at::kFloat8_e4m3fn : x.scalar_type(), at::kFloat};
+  if (quant) {
+    r.s_width = hidden / 128;
+    r.scale_bytes = r.s_width * 4;
+  } else if (x_scales.has_value()) {
+    r.s_width = x_scales->size(1);
+    r.s_type = x_scales->scalar_type();
+    r.scale_bytes = r.s_width * x_scales->element_size();
+  }
+  TORCH_CHECK(r.payload_bytes <= cfg[kCfgPayloadMax] && r.scale_bytes <= cfg[kCfgScaleMax],
+              "ep_comm: row larger than the buffer");
+  return r;
+}
+
+inline void set_dispatch_shape(DispatchParams& p, const RowShape& r, int64_t T, const std::vector<int64_t>& cfg,
+                        at::Tensor& work) {
+  const Layout& L = p.c.lay;
+  const int64_t k = L.top_k;
+  p.payload_bytes = r.payload_bytes;
+  p.scale_bytes = r.scale_bytes;
+  p.num_tokens = static_cast<int>(T);
+  // split rows so that every warp of the grid has a piece to send (latency of small batches)
+  const int64_t warps = cfg[kCfgNumBlocks] * kWarps;
+  const int64_t unit = cfg[kCfgQuantFp8] != 0 ? 256 : 512;
+  int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
+  p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
+  p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
+  p.capacity = static_cast<int64_t>(L.world) * L.max_tokens;
+  TORCH_CHECK(work.is_cuda() && work.scalar_type() == at::kInt &&
+                  work.numel() >= static_cast<int64_t>(L.world) * L.num_local + static_cast<int64_t>(L.max_tokens) * (k + 1),
+              "ep_comm: bad dispatch workspace");
+  p.send_count = work.data_ptr<int32_t>();
+  p.self_slot = p.send_count + static_cast<int64_t>(L.world) * L.num_local;
+  p.self_ready = reinterpret_cast<uint32_t*>(p.self_slot + static_cast<int64_t>(L.max_tokens) * k);
+}
+
+inline void set_dispatch_outputs(DispatchParams& p, at::Tensor& out_x, at::Tensor& out_s, at::Tensor& row_ids,
+                          at::Tensor& row_w, at::Tensor& row_slot, at::Tensor& counts) {
+  const bool batched = p.c.lay.batched != 0;
+  p.out_x = out_x.data_ptr();
+  p.out_scales = p.scale_bytes ? out_s.data_ptr() : nullptr;
+  p.row_ids = row_ids.data_ptr<int32_t>();
+  p.row_w = row_w.data_ptr<float>();
+  p.row_slot = batched ? row_slot.data_ptr<int32_t>() : nullptr;
+  p.counts = batched ? counts.data_ptr<int32_t>() : nullptr;
+}
+
+inline int phases_arg(int64_t phases) {
+  const int64_t halves = phases & ~static_cast<int64_t>(kPhaseAbandonOnInvalid);
+  TORCH_CHECK(halves == kPhaseSend || halves == kPhaseBoth,
+              "ep_comm: phases must be send (1) or both (3), plus 4 to abandon the call on invalid ids");
+  return static_cast<int>(halves);
+}
+
+inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                           const c10::optional<at::Tensor>& x_scales, at::Tensor& state, at::Tensor& work,
+                           const at::Tensor& peer_base, const at::Tensor& expert_owner, std::vector<int64_t> cfg,
+                           int64_t phases) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  DispatchParams p{};
+  p.c = common(state, peer_base, cfg);
+  p.phases = phases_arg(phases);
+  p.abandon_on_invalid = (phases & kPhaseAbandonOnInvalid) != 0;
+  const Layout& L = p.c.lay;
+  const int64_t T = x.size(0);
+  const int64_t k = L.top_k;
+  const int64_t N = static_cast<int64_t>(L.world) * L.max_tokens;
+  TORCH_CHECK(T <= L.max_tokens && topk_ids.size(0) == T && topk_ids.size(1) == k, "ep_comm: bad dispatch shapes");
+  at::Tensor xc = aligned_rows(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
+  at::Tensor sc = x_scales.has_value() && cfg[kCfgQuantFp8] == 0 ? aligned(*x_scales) : at::Tensor();
+  const RowShape r = row_shape(x, x_scales, cfg);
+  set_dispatch_shape(p, r, T, cfg, work);
+  const auto opts = x.options();
+  at::Tensor out_x, out_s;
+  if (L.batched) {
+    out_x = at::empty({L.num_local, N, r.x_width}, opts.dtype(r.x_type));
+    out_s = r.scale_bytes ? at::empty({L.num_local, N, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
+  } else {
+    // zero copy: the rows stay in the receive buffer, which the host views (no output rows here)
+    const int64_t rows = L.zero_copy ? 0 : N;
+    out_x = at::empty({rows, r.x_width}, opts.dtype(r.x_type));
+    out_s = r.scale_bytes ? at::empty({rows, r.s_width}, opts.dtype(r.s_type)) : at::empty({0}, opts.dtype(r.s_type));
+  }
+  at::Tensor row_ids = at::empty({N, k}, opts.dtype(at::kInt));
+  at::Tensor row_w = at::empty({N, k}, opts.dtype(at::kFloat));
+  at::Tensor row_slot = at::empty({L.batched ? N : 0, k}, opts.dtype(at::kInt));
+  at::Tensor counts = at::empty({L.batched ? L.num_local : 0}, opts.dtype(at::kInt));
+  at::Tensor dest = at::empty({T, k}, opts.dtype(at::kInt));
+
+  p.expert_owner = expert_owner.data_ptr<int32_t>();
+  p.x = xc.data_ptr();
+  p.x_row_bytes = row_pitch_bytes(xc);
+  p.ids = ids.data_ptr();
+  p.weights = w.data_ptr<float>();
+  p.x_scales = sc.defined() ? sc.data_ptr() : nullptr;
+  set_dispatch_outputs(p, out_x, out_s, row_ids, row_w, row_slot, counts);
+  p.dest = dest.data_ptr<int32_t>();
+  const int quant_dtype = cfg[kCfgQuantFp8] != 0 ? dtype_code(x.scalar_type()) : -1;
+  EP_CUDA_CHECK(launch_dispatch(p, quant_dtype, ids.scalar_type() == at::kLong,
+                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
+  return DispatchOut{out_x, out_s, row_ids, row_w, row_slot, counts, dest};
+}
+
+// The receive half of a dispatch launched with phases = send (return_recv_hook): same x / x_scales
+// (for the row widths and T), the outputs that call returned.
+inline void kernel_dispatch_recv(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, at::Tensor& state,
+                         at::Tensor& work, const at::Tensor& peer_base, at::Tensor& out_x, at::Tensor& out_s,
+                         at::Tensor& row_ids, at::Tensor& row_w, at::Tensor& row_slot, at::Tensor& counts,
+                         std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  DispatchParams p{};
+  p.c = common(state, peer_base, cfg);
+  p.phases = kPhaseReceive;
+  TORCH_CHECK(x.size(0) <= p.c.lay.max_tokens, "ep_comm: bad dispatch shapes");
+  set_dispatch_shape(p, row_shape(x, x_scales, cfg), x.size(0), cfg, work);
+  set_dispatch_outputs(p, out_x, out_s, row_ids, row_w, row_slot, counts);
+  // the receive half reads no input; the ids' width only selects the kernel instance
+  EP_CUDA_CHECK(launch_dispatch(p, -1, false, static_cast<int>(cfg[kCfgNumBlocks]),
+                                       c10::cuda::getCurrentCUDAStream()));
+}
+
+inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_ids, const at::Tensor& row_w,
+                   const at::Tensor& row_slot, const at::Tensor& dest, at::Tensor& state, const at::Tensor& peer_base,
+                   at::Tensor& out, std::vector<int64_t> cfg, int64_t phases) {
+  const c10::cuda::CUDAGuard guard(expert_out.device());
+  CombineParams p{};
+  p.c = common(state, peer_base, cfg);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype_of(cfg[kCfgOutDtype]) && out.size(0) == dest.size(0),
+              "ep_comm: bad combine output");
+  at::Tensor eo = aligned(expert_out);
+  p.expert_out = eo.data_ptr();
+  p.pull = cfg[kCfgCombinePullInput] != 0;
+  // pull: peers read the rows at the address they were given, so the op must be handed exactly those
+  TORCH_CHECK(!p.pull || (reinterpret_cast<uintptr_t>(p.expert_out) == static_cast<uintptr_t>(cfg[kCfgCombinePullInput]) &&
+                          eo.scalar_type() == dtype_of(cfg[kCfgOutDtype]) && !p.c.lay.batched),
+              "ep_comm: a pulling combine reads its expert_out from the communicator's buffer");
+  p.row_ids = row_ids.data_ptr<int32_t>();
+  p.row_w = row_w.data_ptr<float>();
+  p.row_slot = row_slot.numel() ? row_slot.data_ptr<int32_t>() : nullptr;
+  p.dest = dest.data_ptr<int32_t>();
+  p.num_tokens = static_cast<int>(dest.size(0));
+  // split rows so that every warp of the grid has a piece (latency of small batches)
+  const int64_t H = p.c.lay.hidden;
+  const int64_t warps = cfg[kCfgNumBlocks] * kWarps;
+  // (push: rows sent to peers, the own rows are summed at the receive end; pull: own tokens' rows)
+  const int64_t rows = p.pull ? std::max<int64_t>(1, p.num_tokens)
+                              : std::max<int64_t>(1, static_cast<int64_t>(std::max(1, p.c.lay.world - 1)) * p.c.lay.max_tokens);
+  int64_t chunks = H % 8 == 0 ? std::max<int64_t>(1, std::min<int64_t>((warps + rows - 1) / rows, (H + 255) / 256)) : 1;
+  p.chunk_elems = static_cast<int>(chunks == 1 ? H : ((H + chunks - 1) / chunks + 255) / 256 * 256);
+  p.chunks = static_cast<int>((H + p.chunk_elems - 1) / p.chunk_elems);
+  p.out = out.data_ptr();
+  p.grouped = static_cast<int>(cfg[kCfgCombineGrouped]);
+  TORCH_CHECK(phases >= kPhaseSend && phases <= kPhaseBoth, "ep_comm: bad combine phases ", phases);
+  p.phases = static_cast<int>(phases);
+  EP_CUDA_CHECK(launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
+                                      static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
+}
+
+inline void kernel_abort(at::Tensor& state, const at::Tensor& peer_base, std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(state.device());
+  const Common c = common(state, peer_base, cfg);
+  EP_CUDA_CHECK(launch_abort(c, c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace EP_KERNELS
+}  // namespace ep_comm
+
+// Schemas and CUDA implementations of one kernel backend's ops, named <prefix>_dispatch etc.
+#define EP_KERNEL_OP_SCHEMAS(m, P)                                                                              \
+  m.def(P "_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor? x_scales, Tensor(a!) state, "     \
+          "Tensor(b!) work, Tensor peer_base, Tensor expert_owner, int[] cfg, int phases=3) -> "                \
+          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");                                          \
+  m.def(P "_combine(Tensor expert_out, Tensor row_ids, Tensor row_w, Tensor row_slot, Tensor dest, "            \
+          "Tensor(a!) state, Tensor peer_base, Tensor(b!) out, int[] cfg, int phases=3) -> ()");                \
+  m.def(P "_dispatch_recv(Tensor x, Tensor? x_scales, Tensor(a!) state, Tensor(b!) work, Tensor peer_base, "    \
+          "Tensor(c!) out_x, Tensor(d!) out_scales, Tensor(e!) row_ids, Tensor(f!) row_w, Tensor(g!) row_slot, " \
+          "Tensor(h!) counts, int[] cfg) -> ()");                                                               \
+  m.def(P "_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()")
+
+#define EP_KERNEL_OP_IMPLS(m, P)                                      \
+  m.impl(P "_dispatch", &ep_comm::EP_KERNELS::kernel_dispatch);       \
+  m.impl(P "_combine", &ep_comm::EP_KERNELS::kernel_combine);         \
+  m.impl(P "_dispatch_recv", &ep_comm::EP_KERNELS::kernel_dispatch_recv); \
+  m.impl(P "_abort", &ep_comm::EP_KERNELS::kernel_abort)

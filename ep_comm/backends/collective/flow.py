@@ -1,0 +1,229 @@
+"""The collective family's flow, shared by ``naive`` and ``ag_rs``.
+
+Both move every rank's tokens to every rank (an all-gather of one packed buffer per rank) and bring
+partial outputs back with a reduction; they differ only in the collectives, which subclasses give as
+three hooks: ``rows_per_rank`` (token slots each rank sends), ``gather`` and ``reduce``.
+
+An eager call packs its local work first, then agrees with the peers on the host (``agreement``),
+then exchanges: a local failure so reaches the peers as an error instead of leaving them inside a
+collective.  A CUDA-graph capture makes no host round trip; sizes are padded to max_tokens_per_rank
+and each message carries an (op, epoch) header checked on the device instead.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ...distributed.control import OP_COMBINE, OP_DISPATCH
+from ...errors import EPError, EPInputError
+from ...layouts import Dispatched
+from ...quant import quantize_fp8
+from ..base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall, ReceiveHalf
+from .agreement import HostAgreement
+from .error_counts import ErrorCounts
+from .invalid_ids import InvalidIds
+from .packing import (
+    GatherHandle,
+    PackLayout,
+    RoutedBatch,
+    check_dispatch_headers,
+    layout_for,
+    layouts_for,
+    pack,
+    unpack,
+)
+from .reduction import check_combine_header, combine_partial, reduce_buffer
+from .selection import select_local
+
+
+@dataclasses.dataclass
+class PreparedDispatch:
+    layout: PackLayout
+    send: torch.Tensor
+    checks: bool  # the buffer carries the device-checked (op, epoch) header
+    reports_invalid_ids: bool = False  # the header carries this rank's count of dropped ids
+
+
+@dataclasses.dataclass
+class PreparedCombine:
+    buf: torch.Tensor
+    chunk_rows: list[int]
+    header: bool
+
+
+class CollectiveBackend(Backend):
+    def __init__(self, ctx: BackendContext):
+        self.ctx = ctx
+        self.counts = ErrorCounts(ctx.device)
+        self.invalid_ids = InvalidIds(ctx.cfg, ctx.rank, ctx.world_size, ctx.device, self.counts)
+        self.agreement = HostAgreement(ctx.control)
+        self._capabilities = Capabilities(host_agreement=ctx.control.agreement)
+
+    # -- what naive and ag_rs differ in -------------------------------------------------------------
+    @abc.abstractmethod
+    def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
+        """Token slots every rank sends."""
+
+    @abc.abstractmethod
+    def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
+        """Token slots this rank sends, known before the peers' counts are (``rows_per_rank``'s own entry)."""
+
+    @abc.abstractmethod
+    def gather(self, send: torch.Tensor, nbytes: list[int]) -> Union[torch.Tensor, Sequence[torch.Tensor]]:
+        """Every rank's packed buffer: a list, or one ``[world, nbytes]`` tensor when sizes are equal."""
+
+    @abc.abstractmethod
+    def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
+        """Sum the destination-major float32 chunks over ranks; return this rank's."""
+
+    # -- the interface --------------------------------------------------------------------------------
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability:
+        return Availability(True)
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> CollectiveBackend:
+        return cls(ctx)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def close(self) -> None:
+        pass
+
+    def dispatch_input_buffer(self) -> Optional[torch.Tensor]:
+        return None
+
+    def expert_output_buffer(self, dispatched: Dispatched) -> Optional[torch.Tensor]:
+        return None
+
+    def check_errors(self) -> None:
+        try:
+            self.counts.raise_counted(self.ctx.cfg)
+        finally:
+            self.invalid_ids.reset()
+
+    def dispatch(self, call: DispatchCall, recv_hook: bool) -> tuple[Dispatched, Optional[ReceiveHalf]]:
+        cfg, capturing = self.ctx.cfg, _capturing(self.ctx.device)
+        validate = not capturing and cfg.validate_ids
+        error = call.error
+        if error is None and not capturing and not validate:
+            try:
+                self.invalid_ids.raise_earlier()
+            except EPInputError as exc:
+                error = exc
+        if error is not None:
+            if not capturing:
+                self.agreement.agree(OP_DISPATCH, call.epoch, 0, error)
+            raise error
+        try:  # local work: it reads only this rank's inputs, so it is dropped if a peer reports an error
+            ids, weights, merged, header_count = self.invalid_ids.route(call.topk_ids, call.topk_weights,
+                                                                        capturing, validate)
+            if cfg.quant == "fp8":
+                payload, scales = quantize_fp8(call.x)
+            else:
+                payload, scales = call.x.contiguous(), None if call.x_scales is None else call.x_scales.contiguous()
+            batch = RoutedBatch(payload, scales, ids, weights, call.epoch, None, merged=merged)
+            prepared = self.prepare_dispatch(batch, eager=not capturing, invalid_ids=header_count)
+        except EPInputError as exc:
+            if not capturing:
+                self.agreement.agree(OP_DISPATCH, call.epoch, 0, exc)
+            raise
+        except BaseException as exc:
+            if not capturing:
+                self.agreement.tell_peers(OP_DISPATCH, call.epoch, exc)
+            raise
+        if not capturing:
+            batch.peer_tokens = [p.num_tokens for p in self.agreement.agree(OP_DISPATCH, call.epoch,
+                                                                             call.x.shape[0])]
+        try:
+            out = self.exchange_dispatch(batch, prepared, collect_invalid_ids=validate)
+        except Exception as exc:
+            typed = self.agreement.transport_failure(OP_DISPATCH, call.epoch, exc, capturing)
+            if typed is exc:
+                raise
+            raise typed from exc
+        if validate:
+            self.invalid_ids.raise_if_any(call.topk_ids)
+        return out, None
+
+    def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
+        capturing = _capturing(self.ctx.device)
+        d, cfg = call.dispatched, self.ctx.cfg
+        if call.error is not None:
+            if not capturing:
+                self.agreement.agree(OP_COMBINE, -1, 0, call.error)
+            raise call.error
+        try:  # the partial sums are local work: agreed on after it, as in dispatch
+            out = call.out
+            if out is None:
+                out = torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype, device=self.ctx.device)
+            prepared = self.prepare_combine(call.expert_out, d)
+        except BaseException as exc:
+            if not capturing:
+                self.agreement.tell_peers(OP_COMBINE, d.epoch, exc)
+            raise
+        if not capturing:
+            self.agreement.agree(OP_COMBINE, d.epoch, d.num_tokens)
+        try:
+            return self.exchange_combine(d, out, prepared), None
+        except Exception as exc:
+            typed = self.agreement.transport_failure(OP_COMBINE, d.epoch, exc, capturing)
+            if typed is exc:
+                raise
+            raise typed from exc
+
+    # -- the two halves of each op: local work, then the exchange --------------------------------------
+    def prepare_dispatch(self, batch: RoutedBatch, eager: bool,
+                         invalid_ids: Optional[torch.Tensor] = None) -> PreparedDispatch:
+        """Pack this rank's send buffer (local work only).  ``invalid_ids``: the 0-d device count of ids
+        this rank sent as -1, reported to every rank in the header."""
+        ctx = self.ctx
+        checks = _capturing(ctx.device)
+        mine = layout_for(batch, self.own_rows(batch, eager))
+        send = torch.empty(mine.nbytes, dtype=torch.uint8, device=ctx.device)
+        pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None, invalid_ids=invalid_ids)
+        return PreparedDispatch(mine, send, checks, invalid_ids is not None)
+
+    def exchange_dispatch(self, batch: RoutedBatch, prepared: PreparedDispatch,
+                          collect_invalid_ids: bool = False) -> Dispatched:
+        """The exchange half.  ``collect_invalid_ids``: collect every rank's count of invalid ids from the
+        gathered headers (the buffers must have been packed with them)."""
+        ctx = self.ctx
+        if collect_invalid_ids != prepared.reports_invalid_ids:
+            raise EPError("dispatch: collecting invalid-id counts needs buffers packed with them, and only then")
+        layouts = layouts_for(batch, self.rows_per_rank(batch))
+        if layouts[ctx.rank] != prepared.layout:  # the agreed counts contradict what was packed
+            raise EPError(f"rank {ctx.rank}: packed {prepared.layout.rows} token slots but the agreed counts say "
+                          f"{layouts[ctx.rank].rows}")
+        g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts,
+                   headers=prepared.checks or collect_invalid_ids)
+        if prepared.checks:
+            check_dispatch_headers(self.counts, g, OP_DISPATCH, batch.epoch, ctx.cfg.max_tokens_per_rank)
+        if collect_invalid_ids:  # queued before the selection: the host's answer need not wait for it
+            self.invalid_ids.collect(g.headers)
+        return select_local(ctx, g, batch.num_tokens, batch.epoch, merge=not batch.merged)
+
+    def prepare_combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> PreparedCombine:
+        """This rank's float32 partial outputs in the reduction buffer (local work only)."""
+        handle: GatherHandle = dispatched.handle
+        buf, chunk_rows, partial, header = reduce_buffer(self.ctx, handle.rows, expert_out.shape[-1], dispatched.epoch,
+                                                         _capturing(self.ctx.device))
+        combine_partial(expert_out, handle, partial)
+        return PreparedCombine(buf, chunk_rows, header)
+
+    def exchange_combine(self, dispatched: Dispatched, out: torch.Tensor, prepared: PreparedCombine) -> torch.Tensor:
+        mine = self.reduce(prepared.buf, prepared.chunk_rows)
+        if prepared.header:
+            mine = check_combine_header(self.counts, self.ctx.world_size, mine, dispatched.epoch)
+        out.copy_(mine[: dispatched.num_tokens])
+        return out
+
+
+def _capturing(device: torch.device) -> bool:
+    """While capturing a CUDA graph: no host round trip, static sizes, headers checked on the device."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

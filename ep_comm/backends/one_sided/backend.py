@@ -1,0 +1,368 @@
+"""The one-sided family: dispatch/combine by stores (or puts) into the peers' buffers, over a memory
+provider.  ``mnnvl`` maps the peers' buffers with cuMem VMM (``SymmetricBuffer``); ``nvshmem`` uses
+NVSHMEM's symmetric heap.  Everything else is this file's.
+
+A dispatch is one kernel: route each token (duplicates merged, invalid ids dropped, fp8 quantised, in
+the kernel), store one copy per destination rank straight into that rank's buffer, signal, wait for
+every peer's signal, and lay the received rows out in the configured layout.  A combine is one kernel
+the other way round.  Flags carry the call number, which advances on the device so CUDA-graph replays
+stay in step; waits are bounded by ``timeout_s`` and end in an error record, never a trap.
+
+The host's part of a call, which makes no round trip to the peers:
+  * before launching, a problem the device recorded in an earlier call is raised (synchronising only
+    when the host-mapped word says there is one): the ranks are out of step, so nothing is launched;
+  * input this rank cannot send (the communicator's checks, a zero-copy dispatch before the combine
+    of the previous one) is abandoned with an abort signal, so the peers raise instead of timing out;
+  * eager calls with ``validate_ids`` queue an id check in front of the dispatch and read its answer
+    after the launch: a bad id makes the kernel itself signal the abort, and this rank raises;
+  * ids dropped with validation off are raised once the next call has been launched, so the ranks
+    stay in step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import ClassVar, Optional, Protocol
+
+import torch
+
+from ...errors import EPConfigError, EPError, EPInputError, EPTimeoutError
+from ...layouts import Dispatched
+from ...routing import check_ids
+from .. import extension
+from ..base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall, ReceiveHalf
+from ..protocol import Limit, Phase
+from .device import Kernels
+from .errors import error_from, last_signalled
+from .layout import BufferLayout, backend_layout, default_num_blocks
+from .ops import KernelOps
+
+NUM_SMS_ENV = "EP_COMM_NUM_SMS"
+
+
+class SymmetricMemory(Protocol):
+    """What the family uses of a provider's buffer: this rank's bytes and every rank's base address."""
+
+    local: torch.Tensor  # uint8 [nbytes] on the device
+    peer_ptrs: torch.Tensor  # int64 [world] on the device: each rank's buffer as this process reaches it
+
+
+class MemoryProvider(Protocol):
+    """How a one-sided backend gets its buffer and which build of the kernels reaches it."""
+
+    ops_prefix: str  # torch.ops.ep_comm.<prefix>_dispatch etc.
+
+    def unavailable(self, ctx: BackendContext) -> str:
+        """'' when this rank can allocate and reach the peers' memory, else why not (local check)."""
+
+    def put_mode(self, ctx: BackendContext) -> bool:
+        """Whether peers are reached by puts from staging copies (collective: the same on every rank)."""
+
+    def allocate(self, ctx: BackendContext, nbytes: int, put_mode: bool) -> SymmetricMemory:
+        """Collective: every rank's buffer of ``nbytes``, reachable from every rank."""
+
+    def release(self, ctx: BackendContext, memory: SymmetricMemory, collective: bool) -> None:
+        """Free the buffer; ``collective=False`` after a timeout or a lost peer (nothing may wait on them)."""
+
+
+@dataclasses.dataclass
+class KernelHandle:
+    """What combine needs from a dispatch: per received row its local ids, weights and (batched) flat
+    slots, and per own token its destination ranks; ``outputs``: what the dispatch op returned but
+    ``dest``, which the receive half of a split call fills."""
+
+    row_ids: torch.Tensor
+    row_w: torch.Tensor
+    row_slot: torch.Tensor
+    dest: torch.Tensor
+    outputs: tuple
+
+
+class OneSidedBackend(Backend):
+    """The family; a backend of it names its memory provider (``memory``)."""
+
+    memory: ClassVar[MemoryProvider]
+
+    def __init__(self, ctx: BackendContext, buffer: SymmetricMemory, layout: BufferLayout, kernels: Kernels):
+        self.ctx, self.buffer, self.layout, self.kernels = ctx, buffer, layout, kernels
+        cfg = ctx.cfg
+        self.zero_copy = kernels.zero_copy
+        self._fatal: Optional[EPError] = None  # raised by every call once the ranks are out of step
+        self._uncombined: Optional[int] = None  # zero copy: the dispatch whose rows are still in use
+        self._views: dict = {}
+        self._input_rows: Optional[torch.Tensor] = None
+        # combine pulls: peers read this rank's expert rows in place (one pass over NVLink, no partials
+        # written and read back).  Every rank runs the same protocol: what the layout's answer depends
+        # on is a setting the communicator checked to be the same everywhere
+        self._expert_rows: Optional[torch.Tensor] = None
+        if layout.combine_pull:
+            n = ctx.world_size * cfg.max_tokens_per_rank
+            start = layout.combine_offset[0]
+            self._expert_rows = buffer.local[start: start + n * cfg.hidden * cfg.dtype.itemsize] \
+                .view(cfg.dtype).view(n, cfg.hidden)
+            kernels.read_expert_rows_from(self._expert_rows)
+        self._capabilities = Capabilities(recv_hooks=True, zero_copy=self.zero_copy,
+                                          combine_in_place=self._expert_rows is not None,
+                                          num_sms=kernels.num_blocks)
+
+    # -- creation -------------------------------------------------------------------------------------
+    @classmethod
+    def availability(cls, ctx: BackendContext) -> Availability:
+        why = kernels_unavailable(ctx) or cls.memory.unavailable(ctx)
+        return Availability(not why, why)
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> OneSidedBackend:
+        put = cls.memory.put_mode(ctx)
+        layout = backend_layout(ctx.cfg, ctx.world_size, put_mode=put)
+        num_blocks = default_num_blocks(ctx.cfg, ctx.device, os.environ.get(NUM_SMS_ENV))
+        buf = cls.memory.allocate(ctx, layout.nbytes, put)
+        try:
+            # flags and row headers start at zero (no call has code 0) before any peer may write
+            buf.local.zero_()
+            torch.cuda.synchronize(ctx.device)
+            ctx.control.barrier()
+            kernels = Kernels(ctx, buf.local, buf.peer_ptrs, layout, num_blocks,
+                              KernelOps.load(cls.memory.ops_prefix))
+            return cls(ctx, buf, layout, kernels)
+        except BaseException:
+            cls.memory.release(ctx, buf, collective=False)
+            raise
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def close(self) -> None:
+        try:
+            self.memory.release(self.ctx, self.buffer, collective=not isinstance(self._fatal, EPTimeoutError))
+        finally:
+            self.kernels.release()
+
+    # -- dispatch -------------------------------------------------------------------------------------
+    def dispatch(self, call: DispatchCall, recv_hook: bool) -> tuple[Dispatched, Optional[ReceiveHalf]]:
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.zero_copy:
+            # nothing in a traced graph orders the reads of the buffer's rows after the op that fills them
+            raise EPConfigError("zero_copy", True, "its rows are views of the receive buffer, which a torch.compile "
+                                "graph cannot order after the dispatch; use eager calls or CUDA graphs")
+        host_checks = not compiling and not _capturing(self.ctx.device)
+        earlier_drops = host_checks and self._before_call()
+        error = call.error or self._unsendable(call)
+        if error is not None:
+            self._abandon(error)
+            raise error
+        cfg = self.ctx.cfg
+        validate = host_checks and cfg.validate_ids
+        if validate:  # answered after the launch: the GPU never waits for the host to decide
+            self.kernels.start_id_check(call.topk_ids)
+        phases = (Phase.SEND if recv_hook else Phase.BOTH) | (Phase.ABANDON_ON_INVALID if validate else 0)
+        x = self._apart_from_buffer(call.x)
+        outputs = self.kernels.dispatch(x, call.topk_ids, call.topk_weights, call.x_scales, phases)
+        if validate and not self.kernels.id_check_passed():
+            error = _invalid_ids_error(call.topk_ids, cfg.num_experts, self.ctx.rank)
+            self._fatal = self._fatal or _abandoned(self.ctx.rank, error)  # the kernel told the peers
+            raise error
+        if earlier_drops:
+            self.check_errors()
+        # zero copy: the rows handed out now are read until this rank's combine of them (eager calls:
+        # a failed capture must not leave a call behind that never ran; replays are the user's order)
+        if host_checks and self.zero_copy:
+            self._uncombined = call.epoch
+        d = self._dispatched(x, call.x_scales, call.epoch, outputs)
+        if not recv_hook:
+            return d, None
+
+        def receive() -> None:
+            self.kernels.dispatch_recv(x, call.x_scales, d.handle.outputs)
+        return d, receive
+
+    def _unsendable(self, call: DispatchCall) -> Optional[EPError]:
+        """What this family cannot send beyond the communicator's checks."""
+        if self._uncombined is not None:
+            return EPError(f"rank {self.ctx.rank}: zero_copy: dispatch {self._uncombined} has not been combined; its "
+                           "rows are views of the receive buffer that this dispatch would overwrite")
+        if call.x_scales is not None:
+            nbytes = call.x_scales.shape[1] * call.x_scales.element_size()
+            if nbytes > self.layout.scale_max:
+                return EPInputError(f"x_scales rows hold {nbytes} bytes; backend {self.name} carries at most "
+                                    f"{self.layout.scale_max} bytes of scales per token (hidden={self.ctx.cfg.hidden})")
+        return None
+
+    def _dispatched(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], epoch: int, outputs: tuple) -> Dispatched:
+        out_x, out_s, row_ids, row_w, row_slot, counts, dest = outputs
+        cfg = self.ctx.cfg
+        has_scales = cfg.quant == "fp8" or x_scales is not None
+        handle = KernelHandle(row_ids, row_w, row_slot, dest, tuple(outputs[:6]))
+        if self.zero_copy:  # the op returned no rows: they stay in the buffer
+            out_x = self._rows_in_buffer(self.layout.meta_bytes, out_x)
+            out_s = self._rows_in_buffer(self.layout.scale_offset, out_s) if has_scales else out_s
+        scales = out_s if has_scales else None
+        if cfg.layout == "batched":
+            return Dispatched(layout="batched", x=out_x, x_scales=scales, expert_num_tokens=counts,
+                              num_tokens=x.shape[0], epoch=epoch, handle=handle)
+        return Dispatched(layout="standard", x=out_x, x_scales=scales, topk_ids=row_ids, topk_weights=row_w,
+                          num_tokens=x.shape[0], epoch=epoch, handle=handle)
+
+    # -- combine --------------------------------------------------------------------------------------
+    def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
+        compiling = torch.compiler.is_compiling()
+        if compiling and self._expert_rows is not None:
+            raise EPConfigError("zero_copy", True, "combine reads the expert outputs in place in the buffer, which a "
+                                "torch.compile graph cannot order; use eager calls or CUDA graphs")
+        host_checks = not compiling and not _capturing(self.ctx.device)
+        earlier_drops = host_checks and self._before_call()
+        if call.error is not None:
+            self._abandon(call.error)
+            raise call.error
+        d, cfg = call.dispatched, self.ctx.cfg
+        out = call.out
+        if out is None:
+            out = torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype, device=self.ctx.device)
+        if d.epoch == self._uncombined:
+            self._uncombined = None
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        self._launch_combine(call.expert_out, d, target, Phase.SEND if recv_hook else Phase.BOTH)
+        receive: Optional[ReceiveHalf] = None
+        if recv_hook:
+            def receive() -> None:
+                self._launch_combine(call.expert_out, d, target, Phase.RECEIVE)
+                if target is not out:
+                    out.copy_(target)
+        elif target is not out:
+            out.copy_(target)
+        if earlier_drops:
+            self.check_errors()
+        return out, receive
+
+    def _launch_combine(self, expert_out: torch.Tensor, d: Dispatched, target: torch.Tensor, phases: int) -> None:
+        h: KernelHandle = d.handle
+        rows = self._expert_rows
+        if rows is not None:  # peers read the rows in place: the kernel is handed the buffer's rows
+            if phases & Phase.SEND and not _same_view(expert_out, rows):
+                rows.copy_(expert_out)  # (cast to the buffer's dtype)
+            expert_out = rows
+        self.kernels.combine(expert_out, h.row_ids, h.row_w, h.row_slot, h.dest, target, phases)
+
+    # -- buffers (zero copy) --------------------------------------------------------------------------
+    def dispatch_input_buffer(self) -> Optional[torch.Tensor]:
+        """Zero copy without fp8 quantisation: this rank's own rows of dispatch half 0 as
+        ``[max_tokens_per_rank, hidden]`` of ``cfg.dtype`` (row-strided).  A dispatch of its first T rows
+        sends them from where they lie and moves no own rows.  None otherwise."""
+        cfg = self.ctx.cfg
+        if not self.zero_copy or cfg.quant is not None:
+            return None
+        if self._input_rows is None:
+            like = torch.empty(0, cfg.hidden, dtype=cfg.dtype)
+            m, r = cfg.max_tokens_per_rank, self.ctx.rank
+            self._input_rows = self._rows_in_buffer(self.layout.meta_bytes, like)[r * m: (r + 1) * m]
+        return self._input_rows
+
+    def expert_output_buffer(self, dispatched: Dispatched) -> Optional[torch.Tensor]:
+        """Pulling combines: the ``[N, hidden]`` rows of this rank's buffer that combine reads (peers
+        over NVLink); experts that write their outputs there save combine a copy.  None otherwise."""
+        return self._expert_rows
+
+    def _rows_in_buffer(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """``[world * max_tokens, width]`` of ``like``'s dtype and width: the field at byte ``offset`` of
+        every row of dispatch half 0, a row-strided view of this rank's buffer (made once per field)."""
+        key = (offset, like.dtype, like.shape[-1])
+        view = self._views.get(key)
+        if view is None:
+            lay, n = self.layout, self.ctx.world_size * self.ctx.cfg.max_tokens_per_rank
+            start = lay.dispatch_offset[0]
+            rows = self.buffer.local[start: start + n * lay.row_stride].view(n, lay.row_stride)
+            nbytes = like.shape[-1] * like.element_size()
+            view = self._views[key] = rows[:, offset: offset + nbytes].view(like.dtype)
+        return view
+
+    def _apart_from_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` unless it overlaps this rank's buffer other than as the in-place input: the kernel
+        writes the own rows while other warps still read x, so any other overlap goes as a copy.
+        Without zero copy no view of the buffer is ever handed out (and the pointer arithmetic would
+        not trace under torch.compile)."""
+        if not self.zero_copy or x.numel() == 0:
+            return x
+        buf, n = self.buffer.local, x.shape[0]
+        start = x.data_ptr()
+        end = start + ((n - 1) * x.stride(0) + x.shape[1]) * x.element_size()
+        if end <= buf.data_ptr() or start >= buf.data_ptr() + buf.numel():
+            return x
+        rows = self.dispatch_input_buffer()
+        in_place = rows is not None and n <= rows.shape[0] and _same_view(x, rows[:n])
+        return x if in_place else x.clone(memory_format=torch.contiguous_format)
+
+    # -- errors ---------------------------------------------------------------------------------------
+    def _before_call(self) -> bool:
+        """Raise a recorded peer problem now (the call must not start: the ranks are out of step).
+        Returns whether an earlier call dropped invalid ids: that is raised once this call has been
+        launched, so this rank stays in step with its peers."""
+        if self._fatal is not None:
+            raise self._fatal
+        if self.kernels.fatal_pending():
+            self.check_errors()
+        return self.kernels.recoverable_pending()
+
+    def _abandon(self, reason: BaseException) -> None:
+        """Tell the peers this rank gives up its current call (they raise instead of timing out).  The
+        ranks' call sequences cannot be trusted afterwards, so every later call raises."""
+        if _capturing(self.ctx.device) or self._fatal is not None:
+            return
+        self._fatal = _abandoned(self.ctx.rank, reason)
+        try:
+            self.kernels.abort()
+        except Exception:  # noqa: BLE001 - the caller's error is the one to report
+            pass
+
+    def check_errors(self) -> None:
+        """Synchronise, then raise (and clear) whatever the kernels recorded."""
+        if self._fatal is not None:
+            raise self._fatal
+        report = self.kernels.take_record()
+        if report.empty:
+            return
+        cfg = self.ctx.cfg
+        error, fatal = error_from(report, last_signalled(report, self.kernels.flag_slots()), self.ctx.rank, self.name,
+                                  cfg.timeout_s, self.kernels.num_blocks, cfg.max_tokens_per_rank, cfg.num_experts)
+        if fatal:
+            self._fatal = error
+        raise error
+
+
+def kernels_unavailable(ctx: BackendContext) -> str:
+    """'' when the one-sided kernels can run this config on this rank's device, else why not."""
+    if ctx.device.type != "cuda":
+        why = extension.unavailable_reason() if not extension.built() else ""
+        return why or f"needs CUDA tensors (this communicator runs on {ctx.device.type})"
+    why = extension.unavailable_reason()
+    if why:
+        return why
+    if ctx.cfg.top_k > Limit.MAX_TOP_K:
+        return f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {Limit.MAX_TOP_K}"
+    if ctx.num_local_experts > Limit.MAX_LOCAL_EXPERTS:
+        return f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of {Limit.MAX_LOCAL_EXPERTS}"
+    return ""
+
+
+def _abandoned(rank: int, reason: BaseException) -> EPError:
+    return EPError(f"communicator unusable: rank {rank} abandoned a call after invalid input "
+                   f"({type(reason).__name__}: {reason}); create a new Communicator")
+
+
+def _invalid_ids_error(topk_ids: torch.Tensor, num_experts: int, rank: int) -> EPInputError:
+    """After the id check said no: the error naming the first offending token (one more sync)."""
+    try:
+        check_ids(topk_ids, num_experts, rank)
+    except EPInputError as exc:
+        return exc
+    return EPInputError(f"rank {rank}: topk_ids outside [-1, num_experts={num_experts})")
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is exactly the tensor ``b`` views (address, dtype, shape, strides)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())

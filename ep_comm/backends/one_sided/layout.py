@@ -1,0 +1,226 @@
+"""The one-sided family's buffer layout and the static config vector its ops receive.
+
+Every offset and size here is computed once per communicator from ``EPConfig`` and written into the
+config vector (slots: ``protocol.Cfg``); the kernels read them from there (csrc/one_sided/one_sided.cuh
+describes the buffer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ...config import EPConfig
+from ...errors import EPConfigError
+from ..protocol import Cfg, DType, Limit
+
+# prefill-sized combines of the standard layout signal per group of Limit.GROUP_TOKENS tokens, from
+# GROUPED_MIN_TOKENS tokens per rank on: split at world 2 (a third of the blocks only send partials, the
+# others only sum), interleaved at larger worlds, where split has not been measured (more peers shift
+# the work towards sending); batched combines are slower grouped, so they stay ungrouped
+# (docs/performance.md).  $EP_COMM_COMBINE_GROUPED forces a mode for either layout: 0 off, 1
+# interleaved (every block sends and sums in turn), "split" (a third of the blocks send) or "split:N".
+GROUPED_MIN_TOKENS = 512
+COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
+# zero copy: combine pulls (reads the owners' expert rows in place) from this many tokens per rank; it
+# pushes below, where the extra "done reading" round trip outweighs the saved pass
+# (docs/performance.md).  "0" / "1" force it.
+COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
+PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
+
+DTYPE_CODES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """Byte layout of one rank's symmetric buffer (see csrc/one_sided/one_sided.cuh).
+
+    ``scale_max`` bounds the bytes of one token's ``x_scales`` row: ``hidden // 128`` float32 scales
+    (fp8) or, for opaque payloads, up to ``max(hidden // 4, 64)`` bytes (e.g. NVFP4 block scales).
+    """
+
+    world: int
+    max_tokens: int
+    top_k: int
+    meta_bytes: int
+    payload_max: int
+    scale_max: int
+    row_stride: int
+    combine_stride: int
+    flags_offset: int
+    group_flags_offset: int
+    max_groups: int
+    dispatch_offset: tuple[int, int]
+    combine_offset: tuple[int, int]
+    counts_offset: tuple[int, int]
+    nbytes: int
+    # put mode (nvshmem network path): staging for rows, partials and counts, per destination; 0 otherwise
+    stage_offset: int = 0
+    stage_combine_offset: int = 0
+    stage_counts_offset: int = 0
+    # combine reads the expert rows in place (combine_pulls): one combine region, holding them
+    combine_pull: bool = False
+
+    @property
+    def scale_offset(self) -> int:
+        return self.meta_bytes + _align(self.payload_max)
+
+    @property
+    def put_mode(self) -> bool:
+        return self.stage_offset != 0
+
+    @classmethod
+    def for_config(cls, cfg: EPConfig, world: int, put_mode: bool = False,
+                   pull_env: Optional[str] = None) -> BufferLayout:
+        """``pull_env``: $EP_COMM_COMBINE_PULL (see ``_pulls``; ValueError when malformed)."""
+        k, hidden, max_t = cfg.top_k, cfg.hidden, cfg.max_tokens_per_rank
+        meta = _align(Limit.ROW_HEADER_BYTES + 12 * k)
+        payload_max = hidden * cfg.dtype.itemsize
+        scale_max = _align(max(4 * -(-hidden // 128), hidden // 4, 64))
+        row_stride = meta + _align(payload_max) + scale_max
+        combine_stride = _align(hidden * cfg.dtype.itemsize)
+        pull = _pulls(cfg, put_mode, combine_stride, pull_env)
+        flags = _align(2 * world * 8, 256)
+        max_groups = -(-max_t // Limit.GROUP_TOKENS)
+        group_flags = _align(2 * world * max_groups * 8, 256)
+        counts = _align(world * (cfg.num_experts // world) * 4, 256)
+        dispatch = world * max_t * row_stride
+        combine = world * max_t * combine_stride
+        # zero copy keeps every call's rows in dispatch half 0 (kCfgZeroCopy): no second dispatch region
+        one_half = cfg.zero_copy
+        n0 = flags + group_flags
+        n1 = n0 + counts
+        d0 = n1 + counts
+        c0 = d0 + dispatch
+        d1 = d0 if one_half else c0 + combine
+        # a pulling combine never receives partials: region 0 holds the expert rows, no region 1
+        c1 = (c0 if pull else c0 + combine) if one_half else d1 + dispatch
+        end = c1 + combine
+        stages = (end, end + dispatch, end + dispatch + combine) if put_mode else (0, 0, 0)
+        if put_mode:
+            end += dispatch + combine + counts
+        return cls(world, max_t, k, meta, payload_max, scale_max, row_stride, combine_stride, 0, flags, max_groups,
+                   (d0, d1), (c0, c1), (n0, n1), end, *stages, combine_pull=pull)
+
+    def work_numel(self, num_local: int) -> int:
+        """int32 elements of the dispatch workspace: per (peer, expert) counters, own slots, ready codes."""
+        return self.world * num_local + self.max_tokens * (self.top_k + 1)
+
+
+def backend_layout(cfg: EPConfig, world: int, put_mode: bool = False) -> BufferLayout:
+    """The layout a kernel backend allocates, $EP_COMM_COMBINE_PULL read here (a setting the
+    communicator checked: the same, and well formed, on every rank)."""
+    forced = os.environ.get(COMBINE_PULL_ENV)
+    try:
+        return BufferLayout.for_config(cfg, world, put_mode, pull_env=forced)
+    except ValueError as exc:
+        raise EPConfigError(f"${COMBINE_PULL_ENV}", forced, str(exc)) from exc
+
+
+def _pulls(cfg: EPConfig, put_mode: bool, combine_stride: int, forced: Optional[str]) -> bool:
+    """Whether combine reads the peers' expert rows in place (kCfgCombinePullInput): zero copy, peers
+    reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
+    write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
+    ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
+    _check_pull_switch(forced)
+    possible = cfg.zero_copy and not put_mode and combine_stride == cfg.hidden * cfg.dtype.itemsize
+    if forced in ("0", "1"):
+        return possible and forced == "1"
+    return possible and cfg.max_tokens_per_rank >= PULL_MIN_TOKENS
+
+
+def _check_pull_switch(forced: Optional[str]) -> None:
+    if forced not in (None, "", "0", "1"):
+        raise ValueError("expected 0 or 1")
+
+
+def check_environment() -> None:
+    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED or $EP_COMM_COMBINE_PULL, raised before
+    any backend is made: under ``backend="auto"`` it must not pass for a backend that cannot start."""
+    checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
+              (COMBINE_PULL_ENV, _check_pull_switch))
+    for name, check in checks:
+        value = os.environ.get(name)
+        try:
+            check(value)
+        except ValueError as exc:
+            raise EPConfigError(f"${name}", value, str(exc)) from exc
+
+
+def default_combine_grouping(cfg: EPConfig, world: int) -> str:
+    """The grouped-combine mode a config gets without $EP_COMM_COMBINE_GROUPED: "0", "1" or "split"."""
+    if cfg.layout != "standard" or cfg.max_tokens_per_rank < GROUPED_MIN_TOKENS or world < 2:
+        return "0"
+    return "split" if world == 2 else "1"
+
+
+def combine_grouped_mode(forced: Optional[str], default: str, num_blocks: int) -> int:
+    """The config's combine grouping (``Cfg.COMBINE_GROUPED``): 0 off, 1 interleaved, n >= 2 split with
+    n - 1 sending blocks; ``forced`` is $EP_COMM_COMBINE_GROUPED, else ``default``."""
+    if forced is None or forced == "":
+        forced = default
+    if forced in ("0", "1"):
+        return int(forced)
+    if forced == "split" or forced.startswith("split:"):
+        senders = int(forced[6:]) if forced.startswith("split:") else num_blocks // 3
+        if num_blocks < 2 or not 1 <= senders < num_blocks:
+            return 1  # one block cannot be split; the interleaved mode does the same work
+        return 1 + senders
+    raise ValueError(f"${COMBINE_GROUPED_ENV}={forced!r}: expected 0, 1, split or split:N")
+
+
+def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, num_blocks: int,
+                  pending_ptr: int) -> list[int]:
+    """The static int64 vector every one-sided op receives (slots: ``protocol.Cfg``)."""
+    v = [0] * Cfg.LEN
+    v[Cfg.RANK], v[Cfg.WORLD], v[Cfg.MAX_TOKENS] = rank, world, cfg.max_tokens_per_rank
+    v[Cfg.NUM_EXPERTS], v[Cfg.NUM_LOCAL], v[Cfg.TOP_K] = cfg.num_experts, cfg.num_experts // world, cfg.top_k
+    v[Cfg.HIDDEN], v[Cfg.BATCHED], v[Cfg.NUM_BLOCKS] = cfg.hidden, int(cfg.layout == "batched"), num_blocks
+    v[Cfg.ROW_STRIDE], v[Cfg.PAYLOAD_OFFSET] = layout.row_stride, layout.meta_bytes
+    v[Cfg.SCALE_OFFSET], v[Cfg.PAYLOAD_MAX] = layout.scale_offset, layout.payload_max
+    v[Cfg.SCALE_MAX], v[Cfg.FLAGS_OFFSET] = layout.scale_max, layout.flags_offset
+    v[Cfg.DISPATCH_OFFSET0], v[Cfg.DISPATCH_OFFSET1] = layout.dispatch_offset
+    v[Cfg.COMBINE_OFFSET0], v[Cfg.COMBINE_OFFSET1] = layout.combine_offset
+    v[Cfg.COMBINE_STRIDE] = layout.combine_stride
+    v[Cfg.COUNTS_OFFSET0], v[Cfg.COUNTS_OFFSET1] = layout.counts_offset
+    v[Cfg.GROUP_FLAGS_OFFSET] = layout.group_flags_offset
+    mode = combine_grouped_mode(os.environ.get(COMBINE_GROUPED_ENV), default_combine_grouping(cfg, world),
+                                num_blocks)
+    # put mode signals once per call (no per-group signals)
+    v[Cfg.COMBINE_GROUPED] = mode if world > 1 and not layout.put_mode else 0
+    v[Cfg.PUT_MODE] = int(layout.put_mode)
+    v[Cfg.STAGE_OFFSET], v[Cfg.STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
+    v[Cfg.STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
+    v[Cfg.ZERO_COPY] = int(cfg.zero_copy)
+    v[Cfg.TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
+    v[Cfg.PENDING_PTR] = pending_ptr
+    v[Cfg.COUNT_INVALID] = int(not cfg.validate_ids)
+    v[Cfg.QUANT_FP8] = int(cfg.quant == "fp8")
+    v[Cfg.OUT_DTYPE] = int(DTYPE_CODES[cfg.dtype])
+    v[Cfg.THREADS] = Limit.THREADS
+    return v
+
+
+DECODE_MAX_TOKENS = 256  # up to this many tokens per rank, the default SM count is the decode one
+DECODE_SMS, PREFILL_SMS = 64, 24
+
+
+def default_num_blocks(cfg: EPConfig, device: torch.device, env_value: Optional[str]) -> int:
+    """SMs (one block each) the kernels use: ``cfg.num_sms``, else ``$EP_COMM_NUM_SMS``, else 64 for
+    decode-sized communicators (``max_tokens_per_rank <= 256``: latency-bound, more warps in flight
+    help) and 24 for prefill (bandwidth-bound: 24 SMs leave the rest to the engine's GEMMs).  Never
+    more than the GPU has: every block must be resident, since blocks wait for each other."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if cfg.num_sms is not None:
+        want = cfg.num_sms
+    elif env_value:
+        want = int(env_value)
+    else:
+        want = DECODE_SMS if cfg.max_tokens_per_rank <= DECODE_MAX_TOKENS else PREFILL_SMS
+    return max(1, min(int(want), sms))
