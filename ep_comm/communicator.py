@@ -2,7 +2,7 @@
 receive hooks; everything a transport does is its backend's (``ep_comm.backends``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,15 @@ class Communicator:
         self._closed = False
 
     # -- public API ----------------------------------------------------------------------------------
+    @overload
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: Optional[torch.Tensor] = ..., return_recv_hook: Literal[False] = ...) -> Dispatched: ...
+
+    @overload
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: Optional[torch.Tensor] = ..., *,
+                 return_recv_hook: Literal[True]) -> tuple[Dispatched, RecvHook]: ...
+
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  x_scales: Optional[torch.Tensor] = None,
                  return_recv_hook: bool = False) -> Union[Dispatched, tuple[Dispatched, RecvHook]]:
@@ -94,6 +103,14 @@ class Communicator:
                                            return_recv_hook)
         out.owner = self
         return (out, self._new_hook(receive, "dispatch")) if return_recv_hook else out
+
+    @overload
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = ...,
+                return_recv_hook: Literal[False] = ...) -> torch.Tensor: ...
+
+    @overload
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = ..., *,
+                return_recv_hook: Literal[True]) -> tuple[torch.Tensor, RecvHook]: ...
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, out: Optional[torch.Tensor] = None,
                 return_recv_hook: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, RecvHook]]:
