@@ -109,6 +109,8 @@ def wire_payload(cfg: EPConfig, inp: RankInput) -> tuple[torch.Tensor, Optional[
 def payload_as_float(cfg: EPConfig, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> torch.Tensor:
     """float32 ``[..., hidden]`` view of a received payload, what a test expert computes on."""
     if cfg.quant == "fp8":
+        if x_scales is None:
+            raise EPInputError("quant='fp8': the payload's x_scales are needed to dequantise it, got None")
         xf = dequantize_fp8(x, x_scales)
     elif x.dtype == torch.uint8:
         xf = x.float() / 255.0
@@ -131,6 +133,14 @@ class ExpectedRank:
 
     rows: dict  # key -> list of {local expert: weight} (standard; one entry per source token)
     per_expert: list  # per local expert: Counter of keys (batched)
+
+
+def _filled(t: Optional[torch.Tensor], what: str) -> torch.Tensor:
+    """A ``Dispatched`` field its layout always fills (``expert_num_tokens`` batched, ``topk_ids`` and
+    ``topk_weights`` standard)."""
+    if t is None:
+        raise EPInputError(f"the Dispatched has no {what}, which its layout always fills")
+    return t
 
 
 def _row_key(x_row: torch.Tensor, s_row: Optional[torch.Tensor]) -> bytes:
@@ -186,7 +196,7 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
     dev = d.x.device
     if d.layout == "batched":
         out = torch.full((L, d.x.shape[1], cfg.hidden), float("nan") if poison else 0.0, device=dev)
-        counts = d.expert_num_tokens.tolist()
+        counts = _filled(d.expert_num_tokens, "expert_num_tokens").tolist()
         for e in range(L):
             n = counts[e]
             if n:
@@ -195,7 +205,7 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
         return out.to(cfg.dtype)
     xf = payload_as_float(cfg, d.x, d.x_scales)
     out = torch.zeros(d.x.shape[0], cfg.hidden, device=dev)
-    ids, w = d.topk_ids, d.topk_weights
+    ids, w = _filled(d.topk_ids, "topk_ids"), _filled(d.topk_weights, "topk_weights")
     for e in torch.unique(ids[ids >= 0]).tolist():
         wt = torch.where(ids == e, w, torch.zeros_like(w)).sum(dim=1, keepdim=True)
         out += wt * expert_fn(xf, rank * L + e)
@@ -209,22 +219,22 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
     """Differences between a backend's ``Dispatched`` and the oracle's (empty list = match)."""
     problems: list[str] = []
     if d.layout == "batched":
-        counts = d.expert_num_tokens.cpu().tolist()
+        counts = _filled(d.expert_num_tokens, "expert_num_tokens").cpu().tolist()
         x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
         for e, want in enumerate(expected.per_expert):
             n = counts[e]
             if n != sum(want.values()):
                 problems.append(f"expert {e}: expert_num_tokens={n}, expected {sum(want.values())}")
                 continue
-            got = collections.Counter(_row_key(x[e, i], None if s is None else s[e, i]) for i in range(n))
-            if got != want:
-                problems.append(f"expert {e}: received rows differ from the oracle ({len(got - want)} unexpected, "
-                                f"{len(want - got)} missing)")
+            keys = collections.Counter(_row_key(x[e, i], None if s is None else s[e, i]) for i in range(n))
+            if keys != want:
+                problems.append(f"expert {e}: received rows differ from the oracle ({len(keys - want)} unexpected, "
+                                f"{len(want - keys)} missing)")
             if len(problems) >= max_report:
                 break
         return problems
 
-    ids, w = d.topk_ids.cpu(), d.topk_weights.cpu()
+    ids, w = _filled(d.topk_ids, "topk_ids").cpu(), _filled(d.topk_weights, "topk_weights").cpu()
     if ids.dtype != torch.int32:
         problems.append(f"topk_ids dtype {ids.dtype}, expected int32")
     if bool((w[ids < 0] != 0).any()):
@@ -232,12 +242,12 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
     if bool(((ids < -1) | (ids >= len(expected.per_expert))).any()):
         problems.append(f"topk_ids outside [-1, {len(expected.per_expert)})")
     x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
-    got: dict = collections.defaultdict(list)
+    got: dict[bytes, list[dict[int, float]]] = collections.defaultdict(list)
     for i in range(x.shape[0]):
         valid = ids[i] >= 0
         if not bool(valid.any()):
             continue
-        local = {}
+        local: dict[int, float] = {}
         for j in torch.nonzero(valid).flatten().tolist():
             e = int(ids[i, j])
             if e in local:
