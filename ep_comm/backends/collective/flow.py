@@ -123,6 +123,7 @@ class CollectiveBackend(Backend):
         try:  # local work: it reads only this rank's inputs, so it is dropped if a peer reports an error
             ids, weights, merged, header_count = self.invalid_ids.route(call.topk_ids, call.topk_weights,
                                                                         capturing, validate)
+            scales: Optional[torch.Tensor]
             if cfg.quant == "fp8":
                 payload, scales = quantize_fp8(call.x)
             else:
@@ -205,7 +206,7 @@ class CollectiveBackend(Backend):
         if prepared.checks:
             check_dispatch_headers(self.counts, g, OP_DISPATCH, batch.epoch, ctx.cfg.max_tokens_per_rank)
         if collect_invalid_ids:  # queued before the selection: the host's answer need not wait for it
-            self.invalid_ids.collect(g.headers)
+            self.invalid_ids.collect(g.header_words())
         return select_local(ctx, g, batch.num_tokens, batch.epoch, merge=not batch.merged)
 
     def prepare_combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> PreparedCombine:

@@ -102,14 +102,18 @@ def combine_partial(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor)
         raise EPError(f"the fused collective combine kernel cannot run: {why}")
     # checked here too, not only by the op: a TORCH_CHECK refusal inside the op has taken a pytest
     # process down with it on a GPU machine, so the refusal must not depend on the op
-    if handle.dest.dtype != torch.int64 or handle.dest.dim() != 2:
+    dest = handle.dest
+    if dest is None:  # a standard-layout handle: its rows are combined without the kernel
+        raise EPError("collective combine kernel cannot run: dest must be int64 [rows, k], got None (the "
+                      "standard layout's handle)")
+    if dest.dtype != torch.int64 or dest.dim() != 2:
         raise EPError(f"collective combine kernel cannot run: dest must be int64 [rows, k], got "
-                      f"{handle.dest.dtype} {tuple(handle.dest.shape)}")
+                      f"{dest.dtype} {tuple(dest.shape)}")
     if out.shape[-1] != flat.shape[-1]:
         raise EPError(f"collective combine kernel cannot run: out has width {out.shape[-1]}, expert_out "
                       f"{flat.shape[-1]}")
     try:
-        torch.ops.ep_comm.collective_combine_partial(flat, handle.dest, handle.local_weights, out)
+        torch.ops.ep_comm.collective_combine_partial(flat, dest, handle.local_weights, out)
     except RuntimeError as exc:  # a launch failure or a shape the op refuses: typed, with the cause
         raise EPError(f"collective combine kernel failed: {exc}") from exc
 

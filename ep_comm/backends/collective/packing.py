@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...errors import EPError
 from .error_counts import ErrorCounts
 
 MAGIC = 0x45504331  # "EPC1"
@@ -165,6 +166,12 @@ class Gathered:
     rows: list[int]
     headers: Optional[torch.Tensor]  # [world, HEADER_INTS] int32 (meaningful only when device_checks)
 
+    def header_words(self) -> torch.Tensor:
+        """``headers``, which ``unpack`` collects when asked to (``headers=True``)."""
+        if self.headers is None:
+            raise EPError("the gathered buffers were unpacked without their headers")
+        return self.headers
+
 
 def unpack(buffers, layouts: Sequence[PackLayout], headers: bool = True) -> Gathered:
     """Every rank's packed buffer (a list, or one ``[world, nbytes]`` tensor when sizes are equal) as
@@ -207,7 +214,7 @@ def unpack(buffers, layouts: Sequence[PackLayout], headers: bool = True) -> Gath
 
 def check_dispatch_headers(counts: ErrorCounts, g: Gathered, op: int, epoch: int, max_tokens: int) -> None:
     """Count (on the device, no sync) peers whose header shows another call or too many tokens."""
-    h = g.headers
+    h = g.header_words()
     bad = (h[:, 0] != MAGIC) | (h[:, 1] != op) | (h[:, 2] != epoch % (1 << 31))
     counts.add(ErrorCounts.EPOCH_MISMATCH, bad.sum())
     counts.add(ErrorCounts.TOKEN_OVERFLOW, (h[:, 3] > max_tokens).sum())

@@ -25,7 +25,8 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
     """
     lead = tuple(out.shape[:-1])
     hidden = expert_out.shape[-1]
-    if handle.dest is None:  # standard: rows are already weighted sums over this rank's experts
+    dest = handle.dest
+    if dest is None:  # standard: rows are already weighted sums over this rank's experts
         torch.where(handle.row_valid.view(*lead, 1), expert_out.float().reshape(*lead, hidden), zero(out.device),
                     out=out)
         return
@@ -36,22 +37,23 @@ def combine_partial(expert_out: torch.Tensor, handle: GatherHandle, out: torch.T
         if fused:
             kernels.combine_partial(flat, handle, out)
             return
-    _combine_partial_torch(flat, handle, out)
+    _combine_partial_torch(flat, dest, handle.local_weights, out)
 
 
-def _combine_partial_torch(flat: torch.Tensor, handle: GatherHandle, out: torch.Tensor) -> None:
+def _combine_partial_torch(flat: torch.Tensor, dest: torch.Tensor, local_weights: torch.Tensor,
+                           out: torch.Tensor) -> None:
     lead = tuple(out.shape[:-1])
     hidden = flat.shape[-1]
     nothing = zero(out.device)
     slots = flat.shape[0]
-    k = handle.dest.shape[1]
-    valid = handle.dest < slots  # [R, k]
+    k = dest.shape[1]
+    valid = dest < slots  # [R, k]
     if flat.device.type == "cpu" and out.dim() == 2:
         # CPU: only the pairs that have an expert here (about k / world of them); a data-dependent
         # size is fine without CUDA graphs, and it is world-fold less work than weighting every pair
         pos = torch.nonzero(valid.reshape(-1)).squeeze(1)
-        src = flat.index_select(0, handle.dest.reshape(-1)[pos]).float()
-        src.mul_(handle.local_weights.reshape(-1)[pos].unsqueeze(1))
+        src = flat.index_select(0, dest.reshape(-1)[pos]).float()
+        src.mul_(local_weights.reshape(-1)[pos].unsqueeze(1))
         out.zero_()
         out.index_add_(0, torch.div(pos, k, rounding_mode="floor"), src)
         return
@@ -59,10 +61,10 @@ def _combine_partial_torch(flat: torch.Tensor, handle: GatherHandle, out: torch.
     # payload dtype, padding zeroed in place (padding slots may hold NaN), then k fused multiply-adds
     # into the float32 output.  No [R, k, hidden] float32 temporaries; still R·k rows read and the
     # output rewritten k times, which is why CUDA uses the fused kernel when it is built
-    rows = flat.index_select(0, handle.dest.clamp_max(slots - 1).reshape(-1))
+    rows = flat.index_select(0, dest.clamp_max(slots - 1).reshape(-1))
     rows.masked_fill_(~valid.reshape(-1, 1), 0)
     rows = rows.view(*lead, k, hidden)
-    weights = torch.where(valid, handle.local_weights, nothing).view(*lead, k, 1)
+    weights = torch.where(valid, local_weights, nothing).view(*lead, k, 1)
     torch.mul(rows[..., 0, :], weights[..., 0, :], out=out)
     for j in range(1, k):
         out.addcmul_(rows[..., j, :], weights[..., j, :])
