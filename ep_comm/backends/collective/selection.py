@@ -105,30 +105,28 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, 
     row_elems = 1
     for dim in tail:
         row_elems *= dim
-    x_bytes = _as_words(g.x.reshape(r, row_elems))
-    s_bytes = None if g.x_scales is None else _as_words(g.x_scales)
     if g.x.device.type == "cpu":
         # CPU: copy only the pairs that have an expert here (about k / world of the R·k pairs; no CUDA
         # graph needs a static size here), straight into the [L·capacity] slots without trash rows
         pos = torch.nonzero(valid_pairs).squeeze(1)
         slots, src = dest.reshape(-1)[pos], torch.div(pos, k, rounding_mode="floor")
-        x_b = torch.empty((dummy, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
-        x_b.index_copy_(0, slots, x_bytes.index_select(0, src))
-        s_b = None
-        if s_bytes is not None:
-            s_b = torch.empty((dummy, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
-            s_b.index_copy_(0, slots, s_bytes.index_select(0, src))
+
+        def place(words: torch.Tensor) -> torch.Tensor:
+            """``words`` (one per gathered row) copied into the ``[L·capacity, width]`` slots of its pairs."""
+            out = torch.empty((dummy, words.shape[1]), dtype=words.dtype, device=g.x.device)
+            out.index_copy_(0, slots, words.index_select(0, src))
+            return out
     else:
-        x_b = torch.empty((dummy + r, x_bytes.shape[1]), dtype=x_bytes.dtype, device=g.x.device)
-        s_b = None
-        if s_bytes is not None:
-            s_b = torch.empty((dummy + r, s_bytes.shape[1]), dtype=s_bytes.dtype, device=g.x.device)
-        for j in range(k):
-            x_b.index_copy_(0, dest[:, j], x_bytes)
-            if s_b is not None:
-                s_b.index_copy_(0, dest[:, j], s_bytes)
-    x_out = x_b[:dummy].view(torch.uint8).view(g.x.dtype).view(L, cap, *tail)
-    s_out = None if s_b is None else s_b[:dummy].view(torch.uint8).view(g.x_scales.dtype).view(L, cap, -1)
+        def place(words: torch.Tensor) -> torch.Tensor:
+            """As on the CPU, from every pair: those that go nowhere write their row's trash slot (cut off)."""
+            out = torch.empty((dummy + r, words.shape[1]), dtype=words.dtype, device=g.x.device)
+            for j in range(k):
+                out.index_copy_(0, dest[:, j], words)
+            return out[:dummy]
+    x_out = place(_as_words(g.x.reshape(r, row_elems))).view(torch.uint8).view(g.x.dtype).view(L, cap, *tail)
+    s_out = None
+    if g.x_scales is not None:
+        s_out = place(_as_words(g.x_scales)).view(torch.uint8).view(g.x_scales.dtype).view(L, cap, -1)
     handle = GatherHandle(g.rows, row_valid, dest, local_w)
     return Dispatched(
         layout="batched", x=x_out, x_scales=s_out,
