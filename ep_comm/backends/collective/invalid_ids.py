@@ -25,35 +25,53 @@ from .error_counts import ErrorCounts
 from .packing import HEADER_INVALID_IDS
 
 
+class _PinnedCopy:
+    """A pinned host tensor that device values are copied into without a sync, the event recorded behind
+    the copy, and whether a copy is queued whose answer was not read yet (CUDA only)."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.copied = torch.cuda.Event()
+        self.pending = False
+
+    def start(self, src: torch.Tensor) -> None:
+        self.host.copy_(src, non_blocking=True)
+        self.copied.record()
+        self.pending = True
+
+    def wait(self) -> None:
+        """Block until a pending copy has landed."""
+        if self.pending:
+            self.copied.synchronize()
+            self.pending = False
+
+
 class InvalidIds:
     """One per communicator of the collective family."""
 
     def __init__(self, cfg: EPConfig, rank: int, world: int, device: torch.device, counts: ErrorCounts):
         self.cfg, self.rank, self.counts = cfg, rank, counts
         cuda = device.type == "cuda"
-        # eager validate_ids: every rank's count, copied into a pinned buffer kept for every call
-        self._headers = torch.empty(world, dtype=torch.int32, pin_memory=True) if cuda else None
-        self._headers_copied = torch.cuda.Event() if cuda else None
+        # eager validate_ids: every rank's count, copied into a pinned buffer kept for every call; pending
+        # also covers a copy whose answer was never read (the call failed in between)
+        self._headers = _PinnedCopy(torch.empty(world, dtype=torch.int32, pin_memory=True)) if cuda else None
         self._counts: Optional[torch.Tensor] = None
-        self._headers_pending = False  # a copy whose answer was never read (the call failed in between)
         # validation off: this rank's running count on its way to the host
-        self._dropped = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
-        self._dropped_copied = torch.cuda.Event() if cuda else None
-        self._dropped_in_flight = False
+        self._dropped = _PinnedCopy(torch.zeros(1, dtype=torch.int64, pin_memory=True)) if cuda else None
 
     # -- before the call ------------------------------------------------------------------------------
     def raise_earlier(self) -> None:
         """Validation off: raise for ids dropped by earlier calls, as far as the host can see without a sync."""
         if self._dropped is None:
             count = int(self.counts.counts[ErrorCounts.INVALID_IDS])
-        elif self._dropped_in_flight and self._dropped_copied.query():
-            self._dropped_in_flight, count = False, int(self._dropped[0])
+        elif self._dropped.pending and self._dropped.copied.query():
+            self._dropped.pending, count = False, int(self._dropped.host[0])
         else:
             return
         if count:  # take off what is reported here; counts made since (graph replays too) stay
             self.counts.counts[ErrorCounts.INVALID_IDS] -= count
             if self._dropped is not None:
-                self._dropped.zero_()
+                self._dropped.host.zero_()
             raise EPInputError(f"{count} topk_ids outside [-1, num_experts={self.cfg.num_experts}) were sent as -1 "
                                "by earlier dispatch call(s) (validate_ids=False)")
 
@@ -69,19 +87,15 @@ class InvalidIds:
             self.counts.add(ErrorCounts.INVALID_IDS, invalid)
             return ids, weights, True, None
         if validate:
-            if self._headers_pending:  # the pinned buffer is reused: an earlier copy must land first
-                self._headers_copied.synchronize()
-                self._headers_pending = False
+            if self._headers is not None:  # the pinned buffer is reused: an earlier copy must land first
+                self._headers.wait()
             self._counts = None
             ids, invalid = drop_invalid_ids(topk_ids, num_experts)
             return ids, topk_weights, False, invalid
         ids, invalid = drop_invalid_ids(topk_ids, num_experts)
         self.counts.add(ErrorCounts.INVALID_IDS, invalid)
         if self._dropped is not None:
-            self._dropped.copy_(self.counts.counts[ErrorCounts.INVALID_IDS:ErrorCounts.INVALID_IDS + 1],
-                                non_blocking=True)
-            self._dropped_copied.record()
-            self._dropped_in_flight = True
+            self._dropped.start(self.counts.counts[ErrorCounts.INVALID_IDS:ErrorCounts.INVALID_IDS + 1])
         return ids, topk_weights, False, None
 
     def collect(self, headers: torch.Tensor) -> None:
@@ -90,9 +104,8 @@ class InvalidIds:
         if self._headers is None:
             self._counts = counts.clone()
             return
-        self._headers.copy_(counts, non_blocking=True)
-        self._headers_copied.record()
-        self._counts, self._headers_pending = self._headers, True
+        self._headers.start(counts)
+        self._counts = self._headers.host
 
     # -- after the call -------------------------------------------------------------------------------
     def raise_if_any(self, topk_ids: torch.Tensor) -> None:
@@ -100,9 +113,8 @@ class InvalidIds:
         rank holds the same counts); the offending rank's error names the first bad token."""
         if self._counts is None:
             raise EPError("the gathered invalid-id counts were not collected")
-        if self._headers_pending:
-            self._headers_copied.synchronize()
-            self._headers_pending = False
+        if self._headers is not None:
+            self._headers.wait()
         bad = [r for r, n in enumerate(self._counts.tolist()) if n]
         if not bad:
             return
@@ -115,5 +127,5 @@ class InvalidIds:
     def reset(self) -> None:
         """After ``check_errors`` read and zeroed the counters (a sync: no copy is in flight)."""
         if self._dropped is not None:
-            self._dropped.zero_()
-            self._dropped_in_flight = False
+            self._dropped.host.zero_()
+            self._dropped.pending = False
