@@ -43,7 +43,10 @@ NUM_SMS_ENV = "EP_COMM_NUM_SMS"
 class SymmetricMemory(Protocol):
     """What the family uses of a provider's buffer: this rank's bytes and every rank's base address."""
 
-    local: torch.Tensor  # uint8 [nbytes] on the device
+    @property
+    def local(self) -> torch.Tensor:
+        """uint8 ``[nbytes]`` on the device (read-only: an attribute or a property satisfies it)."""
+
     peer_ptrs: torch.Tensor  # int64 [world] on the device: each rank's buffer as this process reaches it
 
 
