@@ -28,7 +28,7 @@ import pickle
 import secrets
 import time
 import weakref
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -113,7 +113,8 @@ class ControlPlane:
         )
         token = [secrets.token_hex(8) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=self.global_ranks[0], group=group)
-        self.token: str = token[0]
+        # the broadcast filled every rank's slot with rank 0's string
+        self.token: str = cast(str, token[0])
         base = _default_store()
         if base is None:
             raise EPError("torch.distributed has no rendezvous store to build the control plane on; "
@@ -166,7 +167,8 @@ class ControlPlane:
         if outs is None:
             outs = [torch.empty_like(tensor) for _ in range(self.size)]
         try:
-            work = pg.allgather([outs], [tensor])
+            # torch's stubs declare allgather on ProcessGroup only; ProcessGroupGloo's base Backend binds it too
+            work = pg.allgather([outs], [tensor])  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise self.failure(op, epoch, exc) from exc
 
@@ -203,7 +205,7 @@ class ControlPlane:
         if self.size == 1:  # nobody to agree with: only this rank's own error can be raised
             return lambda: self._checked([PeerStatus(0, op, epoch, status, num_tokens)], op, epoch, error)
         if self._shm is not None:
-            return self._shm_agree_start(op, epoch, status, num_tokens, error)
+            return self._shm_agree_start(self._shm, op, epoch, status, num_tokens, error)
         # calls are sequential (each start is waited for before the next), so one set of record tensors
         # serves every call; filling it through numpy costs less than building a tensor from a list
         rec, outs = self._record_tensors
@@ -218,8 +220,8 @@ class ControlPlane:
             return self._checked([PeerStatus(r, *t.tolist()) for r, t in enumerate(gathered)], op, epoch, error)
         return wait
 
-    def _shm_agree_start(self, op: int, epoch: int, status: int, num_tokens: int, error: Optional[BaseException]):
-        shm = self._shm
+    def _shm_agree_start(self, shm: SharedAgreement, op: int, epoch: int, status: int, num_tokens: int,
+                         error: Optional[BaseException]):
         seq = shm.post(op, epoch, status, num_tokens)
 
         def gone(ranks) -> bool:

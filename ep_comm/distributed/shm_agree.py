@@ -1,9 +1,10 @@
 """Same-host fast path of the per-call agreement: records in a shared-memory file instead of gloo.
 
 On GPU machines the gloo all-gather of the four-number call record, plus the arrival record in the
-rendezvous store, costs a large part of a millisecond per eager call (docs/performance.md).  When every rank of a control plane
-runs on one host, each rank instead writes its record into its own slot of a small file in /dev/shm
-mapped by all of them, and spins until every peer's record for the same call is there: a few µs.
+rendezvous store, costs a large part of a millisecond per eager call (docs/performance.md).  When
+every rank of a control plane runs on one host, each rank instead writes its record into its own slot
+of a small file in /dev/shm mapped by all of them, and spins until every peer's record for the same
+call is there: a few µs.
 
 Slots are double-buffered by the parity of the call's sequence number (a rank can start call n + 2
 only after every peer wrote call n + 1, which each does only after seeing call n complete), so a fast
@@ -82,7 +83,7 @@ class SharedAgreement:
                 os.unlink(path)  # the mappings keep it alive; nothing is left behind after a crash
             except OSError:
                 pass
-        if not all(ok):
+        if mm is None or not all(ok):  # without a mapping this rank's own vote is False
             if mm is not None:
                 mm.close()
             return None
