@@ -45,8 +45,9 @@ def resolve_rendezvous(info: LaunchInfo, env=None) -> tuple[str, int]:
         return addr or m_addr, port or m_port
     if info.launcher == "slurm":
         s_addr, s_port = slurm_default_rendezvous(env)
-        if (addr or s_addr) and (port or s_port):
-            return addr or s_addr, port or s_port
+        r_addr, r_port = addr or s_addr, port or s_port
+        if r_addr and r_port:
+            return r_addr, r_port
     raise EPConfigError(
         "env MASTER_ADDR", addr,
         f"launcher {info.launcher!r} with world size {info.world_size} needs MASTER_ADDR and MASTER_PORT",
@@ -110,7 +111,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> Topology:
                 world_size=info.world_size,
                 timeout=timeout,
             )
-        except (RuntimeError, dist.DistStoreError) as exc:  # type: ignore[attr-defined]
+        except (RuntimeError, dist.DistStoreError) as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise EPTimeoutError(
                     f"rendezvous at {addr}:{port} timed out after {timeout.total_seconds():.0f}s: "

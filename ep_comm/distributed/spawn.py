@@ -15,9 +15,12 @@ import queue
 import signal
 import time
 import traceback
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from .launch_env import free_port
+
+if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -70,6 +73,7 @@ def spawn_local(
     failed (raised, or died without reporting, e.g. ``kill -9``) the others get that many seconds to
     notice and finish; then they are killed too.  No child outlives this call.
     """
+    ctx: Union[ForkServerContext, SpawnContext]
     if preload:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(preload))
