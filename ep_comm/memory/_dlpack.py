@@ -63,6 +63,8 @@ def _deleter(managed: Any) -> None:
     # Runs when torch frees the tensor (possibly at interpreter exit): never raise from here.
     try:
         addr = ctypes.cast(managed, ctypes.c_void_p).value
+        if addr is None:  # a NULL pointer: no live tensor is registered under it
+            return
         with _LIVE_LOCK:
             _LIVE.pop(addr, None)
     except Exception:

@@ -19,7 +19,8 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Any, Optional
+from types import ModuleType
+from typing import Any, Optional, cast
 
 import torch
 
@@ -129,21 +130,23 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
     if len({v[1] for v in votes}) != 1:
         raise EPError("nvshmem backend: NVSHMEM is already running on some ranks but not on others "
                       f"({[r for r, v in enumerate(votes) if v[1]]}); start it on all or none")
+    # without the extension this rank's vote carried why, and the check above raised it
+    lib = cast(ModuleType, ext)
     with torch.cuda.device(device_index):
         status, text = 0, ""
         if reuse:
             with _RT.lock:
                 first = not (_RT.attached or _RT.started_here)
             if first:  # register our kernels' device state with the running NVSHMEM (one reference)
-                status, text = _captured_stderr(ext.attach)
+                status, text = _captured_stderr(lib.attach)
         else:
             if topology.num_hosts == 1:
                 # one host: NVLink/P2P reaches every PE, and probing NICs only fails noisily
                 os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, heap_bytes + HEAP_MARGIN)))
-            status, text = _captured_stderr(ext.init, votes[0][2], rank, world)
-        pe = ext.my_pe() if status == 0 else -1
-        n = ext.n_pes() if status == 0 else -1
+            status, text = _captured_stderr(lib.init, votes[0][2], rank, world)
+        pe = lib.my_pe() if status == 0 else -1
+        n = lib.n_pes() if status == 0 else -1
     outcome = control.gather_objects((status, pe, n, text[-600:]))
     bad = [(r, s, t) for r, (s, _, _, t) in enumerate(outcome) if s != 0]
     if bad:
@@ -176,7 +179,7 @@ def release_runtime(collective: bool) -> None:
                     and not _RT.poisoned)
         if finalize:
             _RT.started_here = _RT.attached = False
-    if finalize:
+    if finalize and ext is not None:  # finalize is only True with the extension loaded
         ext.finalize()
 
 
@@ -205,7 +208,7 @@ class NvshmemBuffer:
         by stores: ``EPTopologyError`` when ``nvshmem_ptr`` gives no address for one.  With it, such
         peers get address 0 in ``peer_ptrs`` (the kernels reach them with puts)."""
         pes = acquire_runtime(control, topology, device_index, nbytes)
-        ext, _ = extension()
+        ext = cast(ModuleType, extension()[0])  # loaded: acquire_runtime raises without it
         device = torch.device("cuda", device_index)
         with torch.cuda.device(device_index):
             base = ext.malloc(nbytes)

@@ -164,7 +164,7 @@ def plan_handles(
                 f"Backends that would work: {fallback}."
             )
         # a group of one exports nothing, so it requests no handle type at all
-        alloc = (HandleType.POSIX_FD,) if world > 1 else ()
+        alloc: tuple[HandleType, ...] = (HandleType.POSIX_FD,) if world > 1 else ()
         same_host = HandleType.POSIX_FD
     else:
         no_fabric = [r for r in all_ranks if not caps[r].fabric_permitted]

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
@@ -357,7 +357,7 @@ class SymmetricBuffer:
     @staticmethod
     def _map_all(ex: Exchange, plan: HandlePlan, res: _Resources, stride: int, nbytes: int,
                  fabric_handles: list[Optional[bytes]], received: dict[int, list[int]]
-                 ) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
         error: Optional[BaseException] = None
         views: list[torch.Tensor] = []
         peer_ptrs: Optional[torch.Tensor] = None
@@ -401,7 +401,8 @@ class SymmetricBuffer:
             # everyone releases it; the imported handle holds its own reference
             res.close_fds()
         _all_ok(ex, "mapping peer memory", error, {})
-        return views, peer_ptrs
+        # _all_ok raised on every rank if this one failed (error set), so the try block built the table
+        return views, cast(torch.Tensor, peer_ptrs)
 
     # ---- use ------------------------------------------------------------------------------------
     def _check_open(self) -> None:
