@@ -291,9 +291,10 @@ class PeerWatch:
                 return
             from ..errors import EPTimeoutError
 
+            gone = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(lost.items()))
             err = EPTimeoutError(
-                f"rank {self._control.rank}: " + "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(lost.items()))
-                + f"; this rank did not finish within {self._grace_s:g} s after that and is ending itself",
+                f"rank {self._control.rank}: {gone}; this rank did not finish within {self._grace_s:g} s after "
+                "that and is ending itself",
                 missing_ranks=lost, lost_ranks=lost)
             print(f"{self._label}: rank {self._control.rank}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             os._exit(1)  # no cleanup on purpose: it is what we are stuck in

@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 #: multicast / NVLS stays off on the shared GPU hosts this runs on (docs/design.md §15); these are only
 #: defaults: a value already in the environment wins, so a site that wants NVLS can export it.
-NVLS_OFF_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
+NVLS_OFF_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
 
 EPILOG = """\
 examples:

@@ -185,17 +185,17 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         for note in notes:
             say(env, f"note: {note}")
         if code or not comms:
-            say(env, "error: no requested backend is usable" if not comms else "error: a requested backend is not usable")
+            say(env, "error: a requested backend is not usable" if comms else "error: no requested backend is usable")
             return code or 2
         # a survivor stuck where no error reaches it (a device sync behind a dead peer's NCCL kernel)
         # ends itself; on CPU the pending gloo call fails at once, so there it is only a late backstop
         watch = PeerWatch(results_plane, "ep-comm stress",
                           grace_s=2.0 if env.device.type == "cuda" else args.op_timeout + 5)
-        variants = sorted({(b, l) for b, l, _ in comms})
+        variants = sorted({(b, lay) for b, lay, _ in comms})
         say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
                  f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
                  f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
-                 + ", ".join(f"{b}/{l}" for b, l in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
+                 + ", ".join(f"{b}/{lay}" for b, lay in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
         stats = {v: Stats() for v in variants}
         failed_cases: list[tuple[Case, list]] = []
         progress = _Progress(args.iters, enabled=env.is_root)
@@ -204,9 +204,9 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
             case = plan(args, it, world, fp8_ok)
             records = _run_case(env, args, comms, variants, case, stats)
             everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems])] per rank
-            bad = [(r, b, l, ps) for r, recs in enumerate(everyone) for b, l, ps in recs if ps]
-            for b, l in {(b, l) for _, b, l, _ in bad}:
-                stats[(b, l)].failures += 1
+            bad = [(r, b, lay, ps) for r, recs in enumerate(everyone) for b, lay, ps in recs if ps]
+            for variant in {(b, lay) for _, b, lay, _ in bad}:
+                stats[variant].failures += 1
             progress.update(len(failed_cases) + (1 if bad else 0))
             if bad:
                 failed_cases.append((case, bad))
@@ -237,7 +237,7 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
               stats: dict) -> list[tuple[str, str, list[str]]]:
     """Every variant on this case; returns this rank's (backend, layout, problems) records."""
     rank, world = env.rank, env.world_size
-    cfg = next(c.cfg for (b, l, q), c in comms.items() if q == case.quant)
+    cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
     inputs = _case_inputs(cfg, case)
     expected_d = oracle.expected_dispatch(cfg, inputs)[rank]
     expected_y = oracle.expected_combine(cfg, [inputs[rank]])[0]  # a rank's output needs only its inputs

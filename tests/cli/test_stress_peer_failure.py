@@ -133,7 +133,8 @@ def _check_survivors(text: str, nproc: int, culprit: int, how: str) -> None:
 
 @pytest.mark.parametrize("nproc,victim", [(2, 1), (3, 0)])
 def test_killed_rank_mid_stress(nproc: int, victim: int) -> None:
-    run = _Run(["--nproc", str(nproc), "--experts", "12", "--iters", "400", "--op-timeout", str(OP_TIMEOUT), "--backend", "ag_rs,naive"])
+    run = _Run(["--nproc", str(nproc), "--experts", "12", "--iters", "400", "--op-timeout", str(OP_TIMEOUT),
+                "--backend", "ag_rs,naive"])
     try:
         run.wait_for(r"^stress 40/400 iterations", timeout=180)  # rank 0's first progress line: mid-run
         pid = run.rank_pids(nproc)[victim]
@@ -152,8 +153,8 @@ def test_killed_rank_mid_stress(nproc: int, victim: int) -> None:
 
 def test_rank_raising_between_calls_in_stress() -> None:
     nproc = 3
-    run = _Run(["--nproc", str(nproc), "--experts", "12", "--iters", "12", "--op-timeout", str(OP_TIMEOUT), "--backend", "ag_rs",
-                "--inject-exception"])
+    run = _Run(["--nproc", str(nproc), "--experts", "12", "--iters", "12", "--op-timeout", str(OP_TIMEOUT),
+                "--backend", "ag_rs", "--inject-exception"])
     try:
         code, _ = run.finish(timeout=240)
     finally:
