@@ -21,6 +21,7 @@ rank whose peer call raised does not leave the others waiting in the next one.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -30,7 +31,17 @@ import torch.distributed as dist
 from .. import oracle
 from ..layouts import Dispatched
 from ..quant import quantize_fp8
-from .bench_measure import CheckCase, OracleGate, RunSet, Timer, eager_queued, expert_outputs, percentiles, split_iters
+from . import present
+from .bench_measure import (
+    CheckCase,
+    OracleGate,
+    RunSet,
+    Timer,
+    eager_queued,
+    expert_outputs,
+    percentiles,
+    split_iters,
+)
 from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 
 PEERS = ("deepep", "nccl_ep")
@@ -67,6 +78,9 @@ class DeepEPPeer:
     """DeepEP V1 normal and low-latency kernels behind a small check/time interface."""
 
     name = "deepep"
+    #: DeepEP's kernels run on CUDA devices only, so CPU ranks are refused before any buffer is made (a
+    #: stand-in of its API that runs on CPU ranks, as the tests' does, sets this False)
+    needs_cuda = True
 
     def __init__(self, env: RankEnv, args: argparse.Namespace):
         import deep_ep
@@ -84,7 +98,7 @@ class DeepEPPeer:
             import deep_ep  # noqa: F401
         except Exception as exc:  # noqa: BLE001 - ImportError, or a broken build's OSError
             return f"import deep_ep: {type(exc).__name__}: {exc}"
-        if env.device.type != "cuda" and not getattr(deep_ep, "EP_COMM_TEST_FAKE", False):  # tests' CPU stand-in
+        if env.device.type != "cuda" and DeepEPPeer.needs_cuda:
             return "needs CUDA GPUs (this run is on CPU ranks)"
         if env.topology.num_hosts != 1:
             return "ep-comm bench runs DeepEP's intranode (NVLink) kernels only; this job spans several hosts"
@@ -231,6 +245,11 @@ class DeepEPPeer:
         return disp, comb
 
 
+def _percentiles_of(timer: Callable[..., tuple[list[float], list[float]]], *args: Any) -> list[tuple[float, float]]:
+    """(p50, p90) of each op's samples that ``timer(*args)`` returns."""
+    return [percentiles(s) for s in timer(*args)]
+
+
 def hide_peer_launch(env: RankEnv, args: argparse.Namespace) -> bool:
     """The peer's calls are issued behind a GPU busy-wait whenever ours are (graph replays, queued eager)."""
     return args.mode == "graph" or eager_queued(env, args)
@@ -238,8 +257,9 @@ def hide_peer_launch(env: RankEnv, args: argparse.Namespace) -> bool:
 
 def _cut(d: Dispatched) -> Dispatched:
     """Batched ``d`` cut to its longest expert (the oracle copies rows to the host)."""
-    longest = int(d.expert_num_tokens.max()) if d.expert_num_tokens.numel() else 0
-    return Dispatched("batched", x=d.x[:, :longest], expert_num_tokens=d.expert_num_tokens, num_tokens=d.num_tokens)
+    counts = present(d.expert_num_tokens, "expert_num_tokens")
+    longest = int(counts.max()) if counts.numel() else 0
+    return Dispatched("batched", x=d.x[:, :longest], expert_num_tokens=counts, num_tokens=d.num_tokens)
 
 
 def nccl_ep_probe() -> str:
@@ -302,7 +322,7 @@ class PeerSuite:
             label = f"deepep {variant}"
             # the check cases of DeepEP's payload: bf16 rows, or fp8 (our recipe) for its fp8 dispatch
             case = gate.case(tokens, "fp8" if fp8 else None)
-            problems, error = _guarded(env, lambda: peer.check(variant, fp8, tokens, case))
+            problems, error = _guarded(env, functools.partial(peer.check, variant, fp8, tokens, case))
             if error:
                 self.note(f"peer {label} failed at {tokens} tok: {error}")
                 continue
@@ -310,7 +330,7 @@ class PeerSuite:
             if bad:
                 self.note(f"peer {label} FAILED the oracle check at {tokens} tok; not timed: " + "; ".join(bad[:3]))
                 continue
-            timed, error = _guarded(env, lambda: [percentiles(s) for s in peer.time(variant, fp8, tokens, sets)])
+            timed, error = _guarded(env, functools.partial(_percentiles_of, peer.time, variant, fp8, tokens, sets))
             if error:
                 self.note(f"peer {label} failed while timed at {tokens} tok: {error}")
                 continue

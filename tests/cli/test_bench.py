@@ -260,3 +260,19 @@ def test_slow_host_rows_are_named_in_a_note():
     assert len(notes) == 1
     assert "naive/batched dispatch at 128 tok" in notes[0] and "1400 µs" in notes[0] and "1010 µs" in notes[0]
     assert slow_host_notes(rows, 2000.0) == []
+
+
+@pytest.mark.parametrize("attrs", [{}, {"EP_COMM_TEST_FAKE": True}])
+def test_deepep_probe_refuses_cpu_ranks_whatever_the_module_holds(monkeypatch, attrs):
+    """DeepEP is driven through its public API only: no attribute of the module lifts the CUDA requirement."""
+    import types
+
+    from ep_comm.cli.peers import DeepEPPeer
+
+    module = types.ModuleType("deep_ep")
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    env = RankEnv(0, 2, torch.device("cpu"), None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
+    assert DeepEPPeer.needs_cuda is True
+    assert DeepEPPeer.probe(env) == "needs CUDA GPUs (this run is on CPU ranks)"

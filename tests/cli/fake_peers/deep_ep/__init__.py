@@ -5,13 +5,18 @@ It follows the calls and semantics ``ep_comm.cli.peers`` relies on (normal dispa
 ``[L, world × max, hidden]`` packed per expert with counts, combine applies the weights), moving data
 with gloo all-gathers.  ``EP_COMM_FAKE_DEEPEP=wrong`` corrupts one combined value on the last rank,
 ``=raise`` makes low-latency dispatch raise, so the tests see both kinds of failure handled.
+
+The bench refuses CPU ranks for DeepEP (``DeepEPPeer.needs_cuda``); this stand-in runs on them, so
+importing it, which the bench's probe does first, lifts that refusal in the importing process.
 """
 import os
 
 import torch
 import torch.distributed as dist
 
-EP_COMM_TEST_FAKE = True  # lets the bench's probe accept CPU ranks
+from ep_comm.cli.peers import DeepEPPeer
+
+DeepEPPeer.needs_cuda = False
 topk_idx_t = torch.int64
 
 
