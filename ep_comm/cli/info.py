@@ -1,6 +1,7 @@
 """``ep-comm info``: what this job looks like to ep_comm.
 
-Prints the ranks and hosts (the ``Topology`` every communicator sees), the CUDA devices of each host
+Prints whether the CUDA kernels (``ep_comm._C``) are built and, when they are not, the command that
+builds them; the ranks and hosts (the ``Topology`` every communicator sees), the CUDA devices of each host
 with their peer-access (NVLink/PCIe P2P) matrix and ``nvidia-smi topo -m``, the IMEX channel state
 (needed for cross-tray MNNVL), which backends are usable on *every* rank and, for each that is not,
 why (one line), what ``backend="auto"`` would pick, and the memory layer's report.
@@ -8,6 +9,7 @@ why (one line), what ``backend="auto"`` would pick, and the memory layer's repor
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -18,9 +20,14 @@ from typing import Any, Optional
 import torch
 
 from .. import __version__
+from ..backends import AUTO_ORDER, extension
 from ..config import BACKEND_ENV, EPConfig
 from . import format_table
+from .availability import auto_pick, local_reasons, merge_reasons
 from .launcher import RankEnv, agree_exit_code, gather_objects, setup_rank, teardown
+
+#: how the CUDA kernels get built: on a GPU node, from the source checkout (README "Install")
+BUILD_COMMAND = "python3 -m pip install --no-build-isolation -e ."
 
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 #: variables that change what ep_comm or its transports do; shown so a report is reproducible
@@ -114,21 +121,21 @@ def _memory_report(env: RankEnv) -> str:
 def _backend_reasons(env: RankEnv, experts: int, timeout_s: float) -> tuple[dict[str, str], str]:
     """``{backend: ""}`` if usable on this rank, else ``{backend: reason}``, and how eager calls of the
     collective backends agree on the host (``ControlPlane.agreement``); collective (control plane)."""
-    from ..backends import BackendContext, local_availability
-    from ..distributed.control import ControlPlane
-
     world = env.world_size
     experts = experts if experts % world == 0 else world * max(1, experts // world)
     cfg = EPConfig(num_experts=experts, top_k=min(8, experts), hidden=7168, max_tokens_per_rank=128,
                    timeout_s=timeout_s)
-    control = ControlPlane(None, timeout_s)
-    try:
-        topo = control.topology(env.device.index if env.device.type == "cuda" else None)
-        ctx = BackendContext(cfg=cfg, group=None, control=control, topology=topo, rank=env.rank, world_size=world,
-                             device=env.device)
-        return local_availability(ctx), control.agreement
-    finally:
-        control.close()
+    (reasons,), agreement = local_reasons(env, [cfg], timeout_s)
+    return reasons, agreement
+
+
+def _kernel_state() -> dict:
+    """This rank's CUDA kernels (``ep_comm._C``): ``built``; else whether its file is there at all
+    (``present``: it is, but cannot be loaded or was built from other sources) and the loader's reason."""
+    if extension.built():
+        return {"built": True, "present": True, "reason": ""}
+    return {"built": False, "present": importlib.util.find_spec("ep_comm._C") is not None,
+            "reason": extension.unavailable_reason()}
 
 
 # -- the report ---------------------------------------------------------------------------------------------
@@ -137,7 +144,7 @@ def _info(env: RankEnv, args: argparse.Namespace) -> int:
     host = _host_facts() if env.topology.local_rank == 0 else None
     reasons, agreement = _backend_reasons(env, args.experts, args.op_timeout)
     memory = _memory_report(env)
-    everyone = gather_objects(env, {"facts": facts, "host": host, "backends": reasons})
+    everyone = gather_objects(env, {"facts": facts, "host": host, "backends": reasons, "kernels": _kernel_state()})
     if not env.is_root:
         return 0
     report = _build_report(env, everyone)
@@ -155,20 +162,9 @@ def _info(env: RankEnv, args: argparse.Namespace) -> int:
 def _build_report(env: RankEnv, everyone: list[dict]) -> dict:
     import torch.distributed as dist
 
-    from ..backends import AUTO_ORDER
-
-    names = list(everyone[0]["backends"])
-    backends = {}
-    for name in names:
-        per_rank = {r: e["backends"].get(name, "unknown on this rank") for r, e in enumerate(everyone)}
-        bad = {r: why for r, why in per_rank.items() if why}
-        if not bad:
-            backends[name] = {"usable": True, "reason": ""}
-        elif len(set(bad.values())) == 1 and len(bad) == len(per_rank):
-            backends[name] = {"usable": False, "reason": next(iter(bad.values()))}
-        else:
-            backends[name] = {"usable": False, "reason": "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))}
-    auto = next((n for n in AUTO_ORDER if backends.get(n, {}).get("usable")), None)
+    merged = merge_reasons([e["backends"] for e in everyone])
+    backends = {name: {"usable": not why, "reason": why} for name, why in merged.items()}
+    auto = auto_pick(merged)
     override = os.environ.get(BACKEND_ENV, "").strip() or None
     hosts = {}
     for e in everyone:
@@ -184,10 +180,22 @@ def _build_report(env: RankEnv, everyone: list[dict]) -> dict:
         "launcher": env.launcher, "world_size": env.world_size, "process_group": dist.get_backend(),
         "ranks": [e["facts"] for e in everyone],
         "ranks_by_host": {h: list(rs) for h, rs in env.topology.ranks_by_host.items()},
-        "hosts": hosts, "backends": backends,
+        "hosts": hosts, "kernels": _kernels_report([e["kernels"] for e in everyone]), "backends": backends,
         "auto": {"env_override": override, "would_pick": override or auto, "order": list(AUTO_ORDER)},
         "env": {v: os.environ.get(v) for v in ENV_VARS},
     }
+
+
+def _kernels_report(per_rank: list[dict]) -> dict:
+    """The ranks' kernel states merged: ``built`` on every rank, else the ranks without them, whether
+    any of those has an ``ep_comm._C`` that does not load, the first such rank's reason, and the build
+    command."""
+    without = [r for r, k in enumerate(per_rank) if not k["built"]]
+    if not without:
+        return {"built": True, "ranks_without": [], "present": True, "reason": "", "build_command": BUILD_COMMAND}
+    first = per_rank[without[0]]
+    return {"built": False, "ranks_without": without, "present": any(per_rank[r]["present"] for r in without),
+            "reason": first["reason"], "build_command": BUILD_COMMAND}
 
 
 def _nvshmem_version() -> Optional[str]:
@@ -223,6 +231,7 @@ def _render(rep: dict) -> str:
         f"NCCL {v['nccl'] or '-'} | mpi4py {v['mpi4py'] or '-'} | cuda-bindings {v['cuda_bindings'] or '-'} | "
         f"NVSHMEM {v.get('nvshmem') or '-'}",
         f"launcher: {rep['launcher']}, world size {rep['world_size']}, process group {rep['process_group']}",
+        "", "== CUDA kernels (ep_comm._C) ==", *_render_kernels(rep),
         "", "== ranks ==",
         format_table(["rank", "host", "local_rank", "device", "pid"],
                      [[r["rank"], r["host"], r["local_rank"], r["device"], r["pid"]] for r in rep["ranks"]],
@@ -244,8 +253,12 @@ def _render(rep: dict) -> str:
         lines += ["nvidia-smi topo -m:", _indent(facts["nvidia_smi_topo"]), f"IMEX: {facts['imex']}"]
     lines += ["", "== backends (usable on every rank?) =="]
     width = max(len(n) for n in rep["backends"]) if rep["backends"] else 0
+    kernels = rep["kernels"]
     for name, b in rep["backends"].items():
-        lines.append(f"{name.ljust(width)}  " + ("usable" if b["usable"] else f"not usable: {b['reason']}"))
+        # the missing kernels were said once, in their own section
+        why = ("kernels not built (see CUDA kernels above)" if not kernels["built"] and b["reason"] == kernels["reason"]
+               else b["reason"])
+        lines.append(f"{name.ljust(width)}  " + ("usable" if b["usable"] else f"not usable: {why}"))
     auto = rep["auto"]
     if auto["env_override"]:
         lines.append(f"auto -> {auto['env_override']} (forced by ${BACKEND_ENV})")
@@ -254,12 +267,28 @@ def _render(rep: dict) -> str:
     how = {"shared memory": "through a shared-memory file (every rank on one host; EP_COMM_SHM_AGREE=0: gloo)",
            "gloo": "over gloo (ranks on several hosts, /dev/shm unusable, or EP_COMM_SHM_AGREE=0)",
            "none": "not needed (one rank)"}
-    lines.append(f"eager calls of naive/ag_rs agree on the host {how.get(rep.get('agreement'), '?')}")
+    lines.append(f"eager calls of naive/ag_rs agree on the host {how.get(str(rep.get('agreement')), '?')}")
     lines += ["", "== memory layer ==", rep.get("memory_report", "-")]
     lines += ["", "== environment =="]
     for var, val in rep["env"].items():
         lines.append(f"{var}={'(unset)' if val is None else val}")
     return "\n".join(lines)
+
+
+def _render_kernels(rep: dict) -> list[str]:
+    """The kernels section: built, or plainly not built (or not loadable) with the command that builds them."""
+    k = rep["kernels"]
+    if k["built"]:
+        return ["built (the kernel backends can run where their devices allow; see backends below)"]
+    where = "" if len(k["ranks_without"]) == len(rep["ranks"]) else f" on ranks {k['ranks_without']}"
+    usable = [name for name, b in rep["backends"].items() if b["usable"]]
+    head = (f"kernels built but not loadable{where}: {k['reason']}" if k["present"] else
+            f"kernels not built{where}: this is a pure-Python install (no ep_comm._C), so only the backends "
+            f"without kernels run ({', '.join(usable) or 'none usable here'})")
+    return [head,
+            "to build them: on a GPU node with a CUDA build of torch and nvcc, in the source checkout, run",
+            f"  {k['build_command']}",
+            "(--no-build-isolation lets the build see the installed torch; without it pip installs pure Python again)"]
 
 
 def _indent(text: str, pad: str = "  ") -> str:
