@@ -20,8 +20,9 @@ algorithmic bandwidth and the same-run ``all_to_all_single`` baseline (NCCL on G
 with per-peer chunks of ``tokens × hidden`` elements of ``--dtype``.
 
 Every row is printed, and the ``--json`` file rewritten, as soon as the ranks agree on its numbers:
-a run that is stopped keeps every row it finished.  Progress goes to stderr.  ``--peer deepep``
-checks and times DeepEP in the same processes on the same inputs (see ``ep_comm.cli.peers``).
+a run that is stopped keeps every row it finished.  Progress goes to stderr.  ``--plot`` needs
+matplotlib, checked before any rank starts.  ``--peer deepep`` checks and times DeepEP in the same
+processes on the same inputs (see ``ep_comm.cli.peers``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from .bench_measure import (
     time_hooks_eager,
     time_hooks_graph,
 )
+from .bench_plot import INSTALL_HINT, matplotlib_problem
 from .bench_report import Reporter, device_name
 from .launcher import RankEnv, agree_exit_code, gather_objects, launch_gap_us, say, setup_rank, teardown
 from .phases import Phases, format_phases, max_over_ranks
@@ -101,8 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=64,
                    help="tokens per rank of the oracle check before timing (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs (default: 0)")
-    p.add_argument("--json", metavar="PATH", help="write the JSON report (docs/design.md §17) here (rewritten after every row)")
-    p.add_argument("--plot", metavar="PATH", help="PNG of p50 latency vs tokens (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the JSON report (docs/design.md §17) here (rewritten after every row)")
+    p.add_argument("--plot", metavar="PATH",
+                   help=f"PNG of p50 latency vs tokens (needs matplotlib: {INSTALL_HINT})")
     p.add_argument("--peer", nargs="+", default=None, metavar="NAME", choices=("deepep", "nccl_ep"),
                    help="also check and time a peer library in the same processes on the same inputs: deepep "
                         "(DeepEP normal and low-latency kernels), nccl_ep (probe only); a peer that is not "
@@ -135,6 +139,10 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     if args.warmup < 0:
         return "--warmup must be >= 0"
     args.sets = min(args.sets, args.iters)  # every set gets at least one timed pair
+    if args.plot:
+        problem = matplotlib_problem()
+        if problem:
+            return problem
     if args.mode == "graph" and not torch.cuda.is_available():
         return "--mode graph captures CUDA graphs and needs CUDA GPUs; this machine has none (use --mode eager)"
     try:

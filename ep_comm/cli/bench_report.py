@@ -173,7 +173,7 @@ class Reporter:
         if self.args.plot:
             from .bench_plot import plot
 
-            print(plot(self.results, self.args.plot, self.doc["baseline_backend"]), flush=True)
+            print(plot(self.doc, self.args.plot), flush=True)
 
     def _write(self) -> None:
         if self.on_write is not None:

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from ep_comm.backends import registered
-from ep_comm.cli import format_table, resolve_backend_request, split_backends
+from ep_comm.cli import bench_plot, format_table, resolve_backend_request, split_backends
 from ep_comm.cli.bench_measure import remote_sends
 from ep_comm.cli.bench_report import Reporter
 from ep_comm.cli.launcher import RankEnv
@@ -25,12 +27,15 @@ RESULT_KEYS = {"backend": str, "op": str, "layout": str, "tokens": int, "hidden"
                "dtype": str, "p50_us": float, "p90_us": float, "gbps": float, "baseline_nccl_us": float}
 
 
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
 @pytest.fixture(scope="module")
 def bench_run(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    plot = ["--plot", str(out / "r.png")] if HAS_MATPLOTLIB else []
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "4", "--warmup", "1",
-                "--sets", "2", "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--phase-times"],
-               timeout=240)
+                "--sets", "2", "--json", str(out / "r.json"), *plot, "--phase-times"], timeout=240)
     return proc, out
 
 
@@ -80,15 +85,49 @@ def test_bench_phase_times_and_progress_on_stderr(bench_run):
     assert "phase times" not in proc.stdout
 
 
-def test_bench_plot_written_or_explained(bench_run):
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (the plot extra)")
+def test_bench_plot_written(bench_run):
     proc, out = bench_run
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in proc.stdout
-        return
+    assert f"wrote {out / 'r.png'}" in proc.stdout
     png = out / "r.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+#: runs ``ep-comm`` (``argv`` from the command line) in a process where ``import matplotlib`` fails
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from ep_comm.cli.main import main; sys.exit(main())"
+
+
+def test_bench_plot_without_matplotlib_exits_2_before_anything_runs(tmp_path):
+    png = tmp_path / "x.png"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, "bench", "--nproc", "2", "--tokens", "8", *SHAPE,
+                           "--plot", str(png)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--plot needs matplotlib" in proc.stderr
+    assert "pip install 'ep-comm[plot]'" in proc.stderr and "pip install matplotlib" in proc.stderr
+    assert proc.stdout == ""  # no rank started: no header, no table
+    assert not png.exists()
+    assert took < 60, took  # refused at argument time, not after a run
+
+
+def test_plot_title_names_device_world_size_and_shape():
+    doc = {"device": "NVIDIA H200", "world_size": 8, "mode": "graph", "quant": "fp8", "baseline_backend": "nccl",
+           "results": [{**_row("mnnvl", "standard", op, 5.0), "tokens": t, "hidden": 7168, "top_k": 8,
+                        "experts": 256, "dtype": "bf16"} for t in (4096, 128) for op in ("dispatch", "combine")]}
+    title = bench_plot.title(doc)
+    for part in ("NVIDIA H200", "world size 8", "hidden 7168", "top-8 of 256 experts", "bf16", "fp8 dispatch",
+                 "tokens per rank 128, 4096", "graph mode"):
+        assert part in title, (part, title)
+    if HAS_MATPLOTLIB:
+        import matplotlib.pyplot as plt
+
+        fig = bench_plot.figure(doc)
+        try:
+            assert fig.get_suptitle() == title  # the title is on the figure, not only computed
+        finally:
+            plt.close(fig)
 
 
 def test_bench_refuses_to_time_a_wrong_backend(cli):
