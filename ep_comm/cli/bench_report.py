@@ -47,6 +47,37 @@ def _num(fmt: str) -> Callable[[Any], str]:
     return lambda v: "-" if v is None else format(v, fmt)
 
 
+#: one table column: (header, width, right-aligned, the row's key, formatter)
+Column = tuple[str, int, bool, str, Callable[[Any], str]]
+
+
+def table_columns(gpu: bool, mode: str, recv_hook: bool, with_peer: bool, baseline_backend: str) -> list[Column]:
+    """The table's columns.  GPU-only ones appear on GPU ranks only: ``GB/s`` (the bandwidth a GPU
+    transport reaches; over gloo it measures the host's copies), ``SMs`` (what a kernel backend
+    occupies) and, in eager mode, ``host_us`` (the host's own time per call, which on CPUs already is
+    the p50).  The JSON keeps every key either way.
+
+    Widths fit the usual values; a wider value shifts its line instead of delaying the table.
+    """
+    cols: list[Column] = [
+        ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
+        ("op", 13 if recv_hook else 8, False, "op", str),  # 13 fits the halves' names ("dispatch_send")
+        ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
+        ("p90_us", 8, True, "p90_us", _num(".1f")),
+    ]
+    if gpu:
+        if mode == "eager":
+            cols.append(("host_us", 7, True, "host_p50_us", _num(".1f")))
+        cols += [("GB/s", 7, True, "gbps", _num(".3g")), ("SMs", 3, True, "sms", _num("d"))]
+    cols += [(f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
+             ("ratio", 5, True, "ratio", _num(".2f"))]
+    if with_peer:
+        cols += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),
+                 ("peer_p50_us", 11, True, "peer_p50_us", _num(".1f")),
+                 ("vs_peer", 7, True, "vs_peer", _num(".2f"))]
+    return cols
+
+
 class Reporter:
     """Rank 0's table and JSON; on other ranks every method is a no-op."""
 
@@ -56,23 +87,7 @@ class Reporter:
         self.args = args
         self.on_write = on_write  # tests: called with the document after every rewrite
         recv_hook = bool(getattr(args, "recv_hook", False))
-        # (header, width, right-aligned, key, formatter)
-        # widths fit the usual values; a wider value shifts its line instead of delaying the table
-        self.columns: list[tuple[str, int, bool, str, Callable[[Any], str]]] = [
-            ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
-            ("op", 13 if recv_hook else 8, False, "op", str),  # 13 fits the halves' names ("dispatch_send")
-            ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
-            ("p90_us", 8, True, "p90_us", _num(".1f")), ("GB/s", 7, True, "gbps", _num(".3g")),
-            ("SMs", 3, True, "sms", _num("d")),
-            (f"{baseline_backend}_a2a_us", 11, True, "baseline_nccl_us", _num(".1f")),
-            ("ratio", 5, True, "ratio", _num(".2f")),
-        ]
-        if args.mode == "eager" and env.device.type == "cuda":  # on CPUs p50 already is host time
-            self.columns.insert(6, ("host_us", 7, True, "host_p50_us", _num(".1f")))
-        if with_peer:
-            self.columns += [("peer", 17, False, "peer", lambda v: "-" if v is None else str(v)),
-                             ("peer_p50_us", 11, True, "peer_p50_us", _num(".1f")),
-                             ("vs_peer", 7, True, "vs_peer", _num(".2f"))]
+        self.columns = table_columns(env.device.type == "cuda", args.mode, recv_hook, with_peer, baseline_backend)
         self.results: list[dict] = []
         self.peers: list[dict] = []
         self.failures: list[dict] = []

@@ -36,6 +36,18 @@ def usable_backends() -> list[str]:
     return [n for n, cls in registered().items() if torch.cuda.is_available() or not issubclass(cls, OneSidedBackend)]
 
 
+def collective_backends() -> list[str]:
+    """Registered backends that run on CPU ranks (the kernel backends need GPUs)."""
+    from ep_comm.backends import registered
+    from ep_comm.backends.one_sided import OneSidedBackend
+
+    return [n for n, cls in registered().items() if not issubclass(cls, OneSidedBackend)]
+
+
+#: environment that makes the CLI's ranks CPU ranks over gloo, on GPU machines too
+CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.fixture(scope="session")
 def cli():
     return run_cli

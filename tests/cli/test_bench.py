@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from ep_comm.backends import registered
-from ep_comm.cli import bench_plot, format_table, resolve_backend_request, split_backends
+from ep_comm.cli import bench_plot, bench_report, format_table, resolve_backend_request, split_backends
 from ep_comm.cli.bench_measure import remote_sends
-from ep_comm.cli.bench_report import Reporter
+from ep_comm.cli.bench_report import Reporter, table_columns
 from ep_comm.cli.launcher import RankEnv
 from ep_comm.distributed.topology import Topology
 
-from .conftest import REPO, clean_env, usable_backends
+from .conftest import CPU_RANKS, REPO, clean_env, collective_backends
 
 SHAPE = ["--hidden", "128", "--experts", "8", "--topk", "2"]
 RESULT_KEYS = {"backend": str, "op": str, "layout": str, "tokens": int, "hidden": int, "top_k": int, "experts": int,
@@ -32,10 +32,11 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 @pytest.fixture(scope="module")
 def bench_run(cli, tmp_path_factory):
+    """Every backend (the default ``all``) on two CPU ranks, on GPU machines too."""
     out = tmp_path_factory.mktemp("bench")
     plot = ["--plot", str(out / "r.png")] if HAS_MATPLOTLIB else []
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "4", "--warmup", "1",
-                "--sets", "2", "--json", str(out / "r.json"), *plot, "--phase-times"], timeout=240)
+                "--sets", "2", "--json", str(out / "r.json"), *plot, "--phase-times"], timeout=240, **CPU_RANKS)
     return proc, out
 
 
@@ -45,10 +46,10 @@ def test_bench_runs_and_prints_one_table(bench_run):
     lines = proc.stdout.splitlines()
     headers = [ln for ln in lines if ln.startswith("backend") and "p50_us" in ln]
     assert len(headers) == 1, proc.stdout  # rank 0 prints, the other rank does not
-    for col in ("p90_us", "GB/s", "SMs", "gloo_a2a_us", "ratio"):
-        assert col in headers[0]
+    assert headers[0].split() == ["backend", "layout", "op", "tokens", "p50_us", "p90_us", "gloo_a2a_us", "ratio"]
     rows = [ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in registered()]
-    assert len(rows) == len(usable_backends()) * 2 * 2 * 2  # backends x layouts x token counts x ops
+    assert len(rows) == len(collective_backends()) * 2 * 2 * 2  # backends x layouts x token counts x ops
+    assert all(len(r) == 8 for r in rows)  # no GPU-only cells (GB/s, SMs, host_us) on CPU ranks
     assert {r[2] for r in rows} == {"dispatch", "combine"}
 
 
@@ -59,11 +60,11 @@ def test_bench_json_matches_design_schema(bench_run):
     for key, typ in (("device", str), ("date", str), ("git_commit", str), ("world_size", int), ("results", list)):
         assert isinstance(doc[key], typ), key
     assert doc["world_size"] == 2
-    assert len(doc["results"]) == len(usable_backends()) * 8
+    assert len(doc["results"]) == len(collective_backends()) * 8
     for r in doc["results"]:
         for key, typ in RESULT_KEYS.items():
             assert isinstance(r[key], typ), (key, r)
-        assert "sms" in r and r["sms"] is None  # collective backends use no dedicated SMs
+        assert "sms" in r and r["sms"] is None  # collective backends use no dedicated SMs (the key stays)
         assert r["op"] in ("dispatch", "combine") and r["layout"] in ("standard", "batched")
         assert r["tokens"] in (8, 16) and r["hidden"] == 128 and r["top_k"] == 2 and r["experts"] == 8
         assert r["dtype"] == "bf16"
@@ -101,7 +102,7 @@ def test_bench_plot_without_matplotlib_exits_2_before_anything_runs(tmp_path):
     png = tmp_path / "x.png"
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, "bench", "--nproc", "2", "--tokens", "8", *SHAPE,
-                           "--plot", str(png)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                           "--plot", str(png)], cwd=REPO, env=clean_env(**CPU_RANKS), capture_output=True, text=True,
                           timeout=120)
     took = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -128,6 +129,39 @@ def test_plot_title_names_device_world_size_and_shape():
             assert fig.get_suptitle() == title  # the title is on the figure, not only computed
         finally:
             plt.close(fig)
+
+
+def test_table_columns_gpu_only_on_gpus():
+    def headers(gpu: bool, mode: str) -> list[str]:
+        return [c[0] for c in table_columns(gpu, mode, recv_hook=False, with_peer=False, baseline_backend="x")]
+
+    gpu_only = {"GB/s", "SMs", "host_us"}
+    for mode in ("eager", "graph"):
+        assert not gpu_only & set(headers(False, mode))
+        assert {"p50_us", "p90_us", "x_a2a_us", "ratio"} <= set(headers(False, mode))
+    assert gpu_only <= set(headers(True, "eager"))
+    assert {"GB/s", "SMs"} <= set(headers(True, "graph")) and "host_us" not in headers(True, "graph")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_reporter_table_drops_gpu_columns_on_cpu_and_json_keeps_every_key(tmp_path, capsys, monkeypatch, gpu):
+    path = tmp_path / "r.json"
+    args = argparse.Namespace(json=str(path), plot=None, mode="graph", routing="uniform", quant="none", iters=2,
+                              warmup=0, sets=1)
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    monkeypatch.setattr(bench_report, "device_name", lambda env: "a GPU" if gpu else "cpu")  # no CUDA needed
+    env = RankEnv(0, 2, device, None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
+    rep = Reporter(env, args, "nccl" if gpu else "gloo", with_peer=False)
+    rep.start()
+    rep.rows([{**_row("mnnvl", "standard", "dispatch", 5.0), "gbps": 12.5, "sms": 20}])
+    header, _, line = capsys.readouterr().out.splitlines()
+    cells = dict(zip(header.split(), line.split()))
+    if gpu:
+        assert cells["GB/s"] == "12.5" and cells["SMs"] == "20"
+    else:
+        assert "GB/s" not in cells and "SMs" not in cells and len(cells) == len(line.split())
+    (result,) = json.loads(path.read_text())["results"]
+    assert result["gbps"] == 12.5 and result["sms"] == 20  # the JSON's schema does not depend on the device
 
 
 def test_bench_refuses_to_time_a_wrong_backend(cli):
@@ -260,7 +294,7 @@ def test_bench_peer_deepep_adapter_with_a_cpu_stand_in(cli, tmp_path):
     path = tmp_path / "p.json"
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "2", "--warmup", "1", "--sets", "1",
                 "--peer", "deepep", "--peer-ll-max-tokens", "8", "--json", str(path)], timeout=240,
-               PYTHONPATH=_with_fake_deepep())
+               PYTHONPATH=_with_fake_deepep(), **CPU_RANKS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(path.read_text())
     ran = {(p["peer_variant"], p["op"], p["tokens"]) for p in doc["peers"]}
@@ -282,7 +316,7 @@ def test_bench_peer_deepep_adapter_with_a_cpu_stand_in(cli, tmp_path):
 def test_bench_peer_failures_are_notes_not_crashes(cli, mode, message):
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
                 "--backend", "ag_rs", "--peer", "deepep"], timeout=180,
-               PYTHONPATH=_with_fake_deepep(), EP_COMM_FAKE_DEEPEP=mode)
+               PYTHONPATH=_with_fake_deepep(), EP_COMM_FAKE_DEEPEP=mode, **CPU_RANKS)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # a peer's failure is not ours
     assert message in proc.stdout
     assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("ag_rs ")]) == 4  # our rows all timed
@@ -315,3 +349,19 @@ def test_deepep_probe_refuses_cpu_ranks_whatever_the_module_holds(monkeypatch, a
     env = RankEnv(0, 2, torch.device("cpu"), None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
     assert DeepEPPeer.needs_cuda is True
     assert DeepEPPeer.probe(env) == "needs CUDA GPUs (this run is on CPU ranks)"
+
+
+@pytest.mark.multigpu
+def test_bench_gpu_table_keeps_gpu_columns(cli, tmp_path):
+    """On GPU ranks the table shows what only GPUs have: host time per eager call, GB/s and SMs."""
+    path = tmp_path / "r.json"
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "1", "--sets", "1",
+                "--backend", "ag_rs", "--layout", "standard", "--json", str(path)], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("backend"))
+    assert header.split() == ["backend", "layout", "op", "tokens", "p50_us", "p90_us", "host_us", "GB/s", "SMs",
+                              "nccl_a2a_us", "ratio"]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("ag_rs ")]
+    assert len(rows) == 2 and all(len(r) == len(header.split()) for r in rows)
+    assert all(float(r[7]) > 0 and r[8] == "-" for r in rows)  # GB/s; ag_rs occupies no SMs of its own
+    assert json.loads(path.read_text())["baseline_backend"] == "nccl"

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ep_comm.cli import bench
+from ep_comm.cli import bench, bench_report
 from ep_comm.cli.bench_measure import HALF_OPS
 from ep_comm.cli.bench_report import Reporter
 from ep_comm.cli.launcher import RankEnv
@@ -96,21 +96,24 @@ def test_split_calls_that_do_not_deliver_fail_the_check_and_are_not_timed(tmp_pa
         assert any("dispatch (recv hook): " in p for p in f["problems"]), f["problems"]
 
 
-def test_reporter_widens_op_for_half_rows_and_prints_no_bandwidth(tmp_path, capsys):
+def test_reporter_widens_op_for_half_rows_and_prints_no_bandwidth(tmp_path, capsys, monkeypatch):
+    """A GPU table (mnnvl's halves run on GPUs only): the GB/s column is there, and empty for the halves."""
     args = argparse.Namespace(json=str(tmp_path / "r.json"), plot=None, mode="eager", routing="uniform",
                               quant="none", iters=2, warmup=0, sets=1, recv_hook=True)
-    env = RankEnv(0, 2, torch.device("cpu"), None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
-    rep = Reporter(env, args, "gloo", with_peer=False)
+    monkeypatch.setattr(bench_report, "device_name", lambda env: "a GPU")  # the table needs no CUDA to print
+    env = RankEnv(0, 2, torch.device("cuda", 0), None, Topology.from_host_ids(0, ["h", "h"]), "spawn")
+    rep = Reporter(env, args, "nccl", with_peer=False)
     rep.start()
     rep.rows([{"backend": "mnnvl", "layout": "standard", "op": op, "tokens": 8, "p50_us": 5.0, "p90_us": 6.0,
                "gbps": None, "sms": 20, "baseline_nccl_us": 10.0, "ratio": 0.5} for op in HALF_OPS])
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[2] == "-" * len("dispatch_send")  # the op column fits the halves' names
     column = lines[0].index("op ")
+    gbps = lines[0].split().index("GB/s")
     for ln, op in zip(lines[2:], HALF_OPS):
         assert ln.index(op) == column and ln[column + len("dispatch_send")] == " "  # aligned, not shifted
         cells = ln.split()
-        assert cells[2] == op and cells[6] == "-"  # GB/s
+        assert cells[2] == op and cells[gbps] == "-"
     assert json.loads((tmp_path / "r.json").read_text())["results"][0]["gbps"] is None
 
 
