@@ -1,7 +1,12 @@
 """``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (docs/design.md §17).
 
+The backends and layouts to run are decided once, before anything is timed: those every rank can run
+(the backends' own availability probes, agreed by all ranks).  A backend that cannot run is named once
+with its reason: a note when it came from ``all``, a failure of the run when it was asked for by name.
+Progress lines (stderr) number the rows that run.
+
 For every token count: the all_to_all_single baseline is timed once, then, for every backend and
-layout:
+layout that runs:
 
 1. one communicator is created (``max_tokens_per_rank`` = the token count, so capacities are real);
 2. its output is checked once against ``ep_comm.oracle`` on at most ``--check-tokens`` tokens per
@@ -20,7 +25,8 @@ algorithmic bandwidth and the same-run ``all_to_all_single`` baseline (NCCL on G
 with per-peer chunks of ``tokens × hidden`` elements of ``--dtype``.
 
 Every row is printed, and the ``--json`` file rewritten, as soon as the ranks agree on its numbers:
-a run that is stopped keeps every row it finished.  Progress goes to stderr.  ``--plot`` needs
+a run that is stopped keeps every row it finished.  The table leaves out what only GPUs have (GB/s,
+SMs, host time per eager call) on CPU ranks; the JSON has every key either way.  ``--plot`` needs
 matplotlib, checked before any rank starts.  ``--peer deepep`` checks and times DeepEP in the same
 processes on the same inputs (see ``ep_comm.cli.peers``).
 """
@@ -31,7 +37,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,7 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPConfigError, EPTopologyError
 from . import DTYPES, default_backends, resolve_backend_request
+from .availability import agreed_reasons, request_blocker
 from .bench_measure import (
     HALF_OPS,
     OracleGate,
@@ -207,10 +214,13 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
 
         with phases("peer_init"):
             peers = PeerSuite(env, args, report.note)
+    with phases("create"):
+        runnable, failures = _runnable(env, args, names, layouts, explicit, report)
     report.start()
     gate = OracleGate(env, args)
-    total = len(args.tokens) * len(names) * len(layouts)
-    done, timed_rows, failures = 0, 0, 0
+    total = len(args.tokens) * len(runnable)
+    done, timed_rows = 0, 0
+    not_created: set[str] = set()  # backends already named in a "could not be created" note
     no_hooks: set[str] = set()  # backends already named in a "hooks skipped" line
     for tokens in args.tokens:
         progress(f"{tokens} tok: inputs, {baseline_backend} all_to_all_single baseline ({args.mode})")
@@ -229,90 +239,126 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
             for r in peer_rows:
                 r.update(base, ratio=round(r["p50_us"] / base_p50, 3) if base_p50 > 0 else None)
             report.peer_rows(peer_rows)
-        for name in names:
-            for layout in layouts:
-                done += 1
-                progress(f"{tokens} tok: {name}/{layout} ({done}/{total}): create, oracle check, {args.mode} timing")
-                cfg = bench_config(args, tokens, layout, name)
-                try:
-                    with phases("create"):
-                        comm = Communicator(cfg)
-                except (EPTopologyError, EPConfigError) as exc:  # raised alike on every rank
-                    if explicit:
-                        failures += 1
-                        report.failure(name, layout, tokens, [f"cannot create: {exc}"])
-                    else:
-                        report.note(f"note: {name}: skipped, not usable here ({exc})")
-                    continue
-                hooks = args.recv_hook and _recv_hooks(comm)
-                if args.recv_hook and not hooks and comm.backend not in no_hooks:
-                    no_hooks.add(comm.backend)
-                    progress(f"{comm.backend}: no receive hooks (return_recv_hook); --recv-hook rows skipped for it")
-                try:
-                    with phases("check"):
-                        problems = gate.check(cfg, comm)
-                        if hooks and not problems:  # the split path is timed too: it must be right as well
-                            problems = gate.check(cfg, comm, hooks=True)
-                    timed, halves = None, None
-                    if not problems:
-                        if args.mode == "graph":
-                            timed, problems = time_graph(env, cfg, comm, sets, args, phases)
-                            if hooks and not problems:
-                                halves, problems = time_hooks_graph(env, cfg, comm, sets, args, phases)
-                        else:
-                            timed = time_eager(env, cfg, comm, sets, args, phases)
-                            if hooks:
-                                halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
-                    resolved, sms = comm.backend, _sms_used(comm)
-                    pulls = comm.capabilities.combine_in_place
-                    in_place = input_in_place(comm, args)
-                    agreement = _agreement(comm)
-                finally:
-                    with phases("close"):
-                        comm.close()
-                if problems or timed is None:
+        for name, layout in runnable:
+            done += 1
+            progress(f"{tokens} tok: {name}/{layout} ({done}/{total}): create, oracle check, {args.mode} timing")
+            cfg = bench_config(args, tokens, layout, name)
+            try:
+                with phases("create"):
+                    comm = Communicator(cfg)
+            except (EPTopologyError, EPConfigError) as exc:  # raised alike on every rank
+                # every rank could run it, yet creating it failed (NVSHMEM could not start, say)
+                if explicit:
                     failures += 1
-                    report.failure(resolved, layout, tokens, problems)
-                    continue
-                ops = ("dispatch", "combine") + (HALF_OPS if halves is not None else ())
-                host = timed[2:]  # eager: host µs per dispatch / combine call
-                samples = [*timed[:2], *(halves or ()), *host]
-                stats = gather_objects(env, ([percentiles(s) for s in samples], phases.take(), phases.total))
-                row_phases = max_over_ranks([s[1] for s in stats])
-                rows = []
-                for i, op in enumerate(ops):
-                    p50 = max(s[0][i][0] for s in stats)
-                    p90 = max(s[0][i][1] for s in stats)
-                    per_token = _bytes_per_token(cfg, op)
-                    rows.append({
-                        "backend": resolved, "op": op, "layout": layout, "tokens": tokens, "hidden": args.hidden,
-                        "top_k": args.topk, "experts": args.experts, "dtype": args.dtype,
-                        "p50_us": round(p50, 3), "p90_us": round(p90, 3),
-                        "gbps": _sig(mean_remote * per_token / (p50 * 1e-6) / 1e9) if p50 > 0 and per_token else None,
-                        "sms": sms, **base, "ratio": round(p50 / base_p50, 3) if base_p50 > 0 else None,
-                        "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
-                        "phase_s": row_phases,
-                        "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
-                        "input_in_place": in_place,  # dispatch read x from the communicator's buffer
-                    })
-                    if host:  # eager: the host's own time per whole call, max over ranks of its p50
-                        rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
-                                                   if i < len(host) else None)
-                        rows[-1]["agreement"] = agreement
-                if host and eager_queued(env, args):
-                    for text in slow_host_notes(rows, launch_gap_us(env.device)):
-                        report.note(text)
-                if args.peer:
-                    _add_peer_columns(rows, peer_rows, args.quant == "fp8")
-                timed_rows += len(rows)
-                report.rows(rows, max_over_ranks([s[2] for s in stats]))
-                if args.phase_times:
-                    progress(f"{tokens} tok: {resolved}/{layout} phases: {format_phases(row_phases)}")
+                    report.failure(name, layout, tokens, [f"cannot create: {exc}"], stage="creation")
+                elif name not in not_created:
+                    not_created.add(name)
+                    report.note(f"note: {name}: skipped, could not be created ({exc})")
+                continue
+            hooks = args.recv_hook and _recv_hooks(comm)
+            if args.recv_hook and not hooks and comm.backend not in no_hooks:
+                no_hooks.add(comm.backend)
+                progress(f"{comm.backend}: no receive hooks (return_recv_hook); --recv-hook rows skipped for it")
+            try:
+                with phases("check"):
+                    problems = gate.check(cfg, comm)
+                    if hooks and not problems:  # the split path is timed too: it must be right as well
+                        problems = gate.check(cfg, comm, hooks=True)
+                timed: Optional[Sequence[list[float]]] = None
+                halves: Optional[Sequence[list[float]]] = None
+                if not problems:
+                    if args.mode == "graph":
+                        timed, problems = time_graph(env, cfg, comm, sets, args, phases)
+                        if hooks and not problems:
+                            halves, problems = time_hooks_graph(env, cfg, comm, sets, args, phases)
+                    else:
+                        timed = time_eager(env, cfg, comm, sets, args, phases)
+                        if hooks:
+                            halves = time_hooks_eager(env, cfg, comm, sets, args, phases)
+                resolved, sms = comm.backend, _sms_used(comm)
+                pulls = comm.capabilities.combine_in_place
+                in_place = input_in_place(comm, args)
+                agreement = _agreement(comm)
+            finally:
+                with phases("close"):
+                    comm.close()
+            if problems or timed is None:
+                failures += 1
+                report.failure(resolved, layout, tokens, problems)
+                continue
+            ops = ("dispatch", "combine") + (HALF_OPS if halves is not None else ())
+            host = timed[2:]  # eager: host µs per dispatch / combine call
+            samples = [*timed[:2], *(halves or ()), *host]
+            stats = gather_objects(env, ([percentiles(s) for s in samples], phases.take(), phases.total))
+            row_phases = max_over_ranks([s[1] for s in stats])
+            rows = []
+            for i, op in enumerate(ops):
+                p50 = max(s[0][i][0] for s in stats)
+                p90 = max(s[0][i][1] for s in stats)
+                per_token = _bytes_per_token(cfg, op)
+                rows.append({
+                    "backend": resolved, "op": op, "layout": layout, "tokens": tokens, "hidden": args.hidden,
+                    "top_k": args.topk, "experts": args.experts, "dtype": args.dtype,
+                    "p50_us": round(p50, 3), "p90_us": round(p90, 3),
+                    "gbps": _sig(mean_remote * per_token / (p50 * 1e-6) / 1e9) if p50 > 0 and per_token else None,
+                    "sms": sms, **base, "ratio": round(p50 / base_p50, 3) if base_p50 > 0 else None,
+                    "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
+                    "phase_s": row_phases,
+                    "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
+                    "input_in_place": in_place,  # dispatch read x from the communicator's buffer
+                })
+                if host:  # eager: the host's own time per whole call, max over ranks of its p50
+                    rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)
+                                               if i < len(host) else None)
+                    rows[-1]["agreement"] = agreement
+            if host and eager_queued(env, args):
+                for text in slow_host_notes(rows, launch_gap_us(env.device)):
+                    report.note(text)
+            if args.peer:
+                _add_peer_columns(rows, peer_rows, args.quant == "fp8")
+            timed_rows += len(rows)
+            report.rows(rows, max_over_ranks([s[2] for s in stats]))
+            if args.phase_times:
+                progress(f"{tokens} tok: {resolved}/{layout} phases: {format_phases(row_phases)}")
     if peers is not None:
         with phases("peer"):
             peers.close()
     report.finish(max_over_ranks(gather_objects(env, phases.total)), args.phase_times)
     return 1 if failures or not timed_rows else 0
+
+
+def _runnable(env: RankEnv, args: argparse.Namespace, names: list[str], layouts: list[str], explicit: bool,
+              report: Reporter) -> tuple[list[tuple[str, str]], int]:
+    """The ``(backend, layout)`` rows this run times, from the availability every rank agrees on, and
+    the failures counted on the way.  Collective over the ranks (every rank gets the same rows).
+
+    A backend that cannot run on every rank is reported once with its reason, never as a progress line:
+    a note when it came from ``all``, a failure of the run when it was asked for by name.
+    """
+    cfgs = [bench_config(args, max(args.tokens), layout, "auto") for layout in layouts]
+    agreed = dict(zip(layouts, agreed_reasons(env, cfgs, args.op_timeout)))
+    runnable: list[tuple[str, str]] = []
+    blocked: dict[str, list[str]] = {}  # reason -> the backends (or backend/layout) it blocks
+    for name in names:
+        why = {layout: request_blocker(cfgs[i].replace(backend=name), agreed[layout])
+               for i, layout in enumerate(layouts)}
+        runnable += [(name, layout) for layout in layouts if not why[layout]]
+        reasons = {w for w in why.values() if w}
+        if len(reasons) == 1 and all(why.values()):  # the usual case: the backend, whatever the layout
+            blocked.setdefault(reasons.pop(), []).append(name)
+        else:
+            for layout, w in why.items():
+                if w:
+                    blocked.setdefault(w, []).append(f"{name}/{layout}")
+    failures = 0
+    for why_not, labels in blocked.items():
+        if explicit:
+            for label in labels:
+                failures += 1
+                report.unusable(label, why_not)
+        else:
+            report.note(f"note: {', '.join(labels)}: skipped, cannot run on every rank here ({why_not})")
+    return runnable, failures
 
 
 def _add_peer_columns(rows: list[dict], peer_rows: list[dict], fp8: bool) -> None:

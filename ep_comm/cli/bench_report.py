@@ -153,14 +153,25 @@ class Reporter:
         self._write()
         self._print_rows(rows)
 
-    def failure(self, backend: str, layout: str, tokens: int, problems: list[str]) -> None:
+    def failure(self, backend: str, layout: str, tokens: int, problems: list[str], stage: str = "oracle check") -> None:
+        """A config that failed at ``stage`` (its oracle check, or its creation) and was not timed."""
         if not self.active:
             return
         self.failures.append({"backend": backend, "layout": layout, "tokens": tokens, "problems": problems})
         self._write()
-        print(f"FAILED oracle check: backend {backend}, layout {layout}, tokens {tokens}; not timed", flush=True)
+        print(f"FAILED {stage}: backend {backend}, layout {layout}, tokens {tokens}; not timed", flush=True)
         for p in problems[:10]:
             print(f"  {p}", flush=True)
+
+    def unusable(self, backend: str, reason: str) -> None:
+        """A backend asked for by name that cannot run on every rank: one failure of the run, said once
+        (``layout`` and ``tokens`` are null in its JSON record: it fails for all of them)."""
+        if not self.active:
+            return
+        self.failures.append({"backend": backend, "layout": None, "tokens": None,
+                              "problems": [f"cannot run on every rank here: {reason}"]})
+        self._write()
+        print(f"FAILED: backend {backend} cannot run on every rank here ({reason}); not timed", flush=True)
 
     def note(self, text: str, now: bool = True) -> None:
         """A note for the end of the table (and the JSON); ``now``: also print it at once."""
@@ -176,8 +187,11 @@ class Reporter:
             return
         if not self.results and not self.failures:
             print("(no results)", flush=True)
-        if self.failures:
-            print(f"{len(self.failures)} config(s) FAILED the oracle check and were not timed", flush=True)
+        unusable = sum(1 for f in self.failures if f["tokens"] is None)
+        if len(self.failures) > unusable:
+            print(f"{len(self.failures) - unusable} config(s) FAILED and were not timed", flush=True)
+        if unusable:
+            print(f"{unusable} requested backend(s) cannot run here", flush=True)
         self.doc["phase_times_s"] = phase_totals
         self.doc["complete"] = True
         self._write()

@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ RESULT_KEYS = {"backend": str, "op": str, "layout": str, "tokens": int, "hidden"
 
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+#: the per-config progress lines on stderr: "<tokens> tok: <backend>/<layout> (<done>/<total>): ..."
+PROGRESS = re.compile(r"(\d+) tok: (\w+)/(standard|batched) \((\d+)/(\d+)\)")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,42 @@ def test_bench_phase_times_and_progress_on_stderr(bench_run):
     assert "phase times (s, slowest rank): spawn" in proc.stderr
     assert "naive/standard (1/" in proc.stderr  # progress: what is running
     assert "phase times" not in proc.stdout
+
+
+def test_bench_progress_numbers_only_the_backends_that_run(bench_run):
+    """Progress lines count over the rows that run; a backend that cannot run is one note, with its reason."""
+    proc, _ = bench_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = collective_backends()
+    seen = [(int(t), b, lay, int(i), int(n)) for t, b, lay, i, n in PROGRESS.findall(proc.stderr)]
+    total = len(ran) * 2 * 2  # backends x layouts x token counts
+    assert [s[3] for s in seen] == list(range(1, total + 1)), proc.stderr
+    assert {s[4] for s in seen} == {total}
+    assert {s[1] for s in seen} == set(ran)  # no line names a backend that is then skipped
+    for name in set(registered()) - set(ran):  # the kernel backends: on CPU ranks they cannot run
+        assert name not in " ".join(s[1] for s in seen)
+        notes = [ln for ln in proc.stdout.splitlines() if ln.startswith("note: ") and name in ln]
+        assert len(notes) == 1, proc.stdout
+        assert re.search(r"skipped, cannot run on every rank here \(.+\)$", notes[0]), notes[0]
+    doc = json.loads((bench_run[1] / "r.json").read_text())
+    assert not doc["failures"]  # skipped by "all": notes, not failures
+
+
+def test_bench_explicit_backend_that_cannot_run_fails_once_and_the_rest_runs(cli, tmp_path):
+    path = tmp_path / "r.json"
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
+                "--backend", "mnnvl,ag_rs", "--json", str(path)], timeout=180, **CPU_RANKS)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a backend asked for by name failed
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("FAILED: backend mnnvl cannot run on every rank here ("), failed
+    assert "1 requested backend(s) cannot run here" in proc.stdout
+    seen = PROGRESS.findall(proc.stderr)
+    assert [(b, lay, i, n) for _, b, lay, i, n in seen] == [
+        ("ag_rs", "standard", "1", "4"), ("ag_rs", "batched", "2", "4"),
+        ("ag_rs", "standard", "3", "4"), ("ag_rs", "batched", "4", "4")]
+    doc = json.loads(path.read_text())
+    assert [(f["backend"], f["layout"], f["tokens"]) for f in doc["failures"]] == [("mnnvl", None, None)]
+    assert {r["backend"] for r in doc["results"]} == {"ag_rs"} and len(doc["results"]) == 8
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (the plot extra)")
