@@ -1,4 +1,5 @@
-"""``ep-comm bench`` on CPU ranks: table, docs/design.md §17 JSON, oracle gate, streaming, peers, argument errors."""
+"""``ep-comm bench`` on CPU ranks (``CPU_RANKS``: on GPU machines too): table, docs/design.md §17 JSON, oracle
+gate, streaming, peers, argument errors, progress, --plot; the GPU table's columns on 2+ GPUs."""
 from __future__ import annotations
 
 import argparse
@@ -205,7 +206,7 @@ def test_reporter_table_drops_gpu_columns_on_cpu_and_json_keeps_every_key(tmp_pa
 
 def test_bench_refuses_to_time_a_wrong_backend(cli):
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0",
-                "--backend", "ag_rs", "--layout", "batched", "--inject-fault"], timeout=180)
+                "--backend", "ag_rs", "--layout", "batched", "--inject-fault"], timeout=180, **CPU_RANKS)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED oracle check: backend ag_rs, layout batched, tokens 8" in proc.stdout
     assert "combine differs from oracle" in proc.stdout
@@ -276,8 +277,8 @@ def test_bench_killed_after_its_first_row_keeps_it(tmp_path):
     path = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "-m", "ep_comm", "bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE,
                              "--iters", "4", "--warmup", "1", "--sets", "2", "--json", str(path)],
-                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+                            cwd=REPO, env=clean_env(**CPU_RANKS), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
     try:
         first = None
         for line in proc.stdout:
@@ -297,7 +298,8 @@ def test_bench_killed_after_its_first_row_keeps_it(tmp_path):
 
 def test_bench_peer_not_installed_is_one_line(cli):
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
-                "--backend", "ag_rs", "--layout", "standard", "--peer", "deepep", "nccl_ep"], timeout=180)
+                "--backend", "ag_rs", "--layout", "standard", "--peer", "deepep", "nccl_ep"], timeout=180,
+               **CPU_RANKS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("peer ")]
     assert len(lines) == 2, proc.stdout
