@@ -11,7 +11,7 @@ ep_comm_pick_command() {
 }
 
 # Multicast / NVLink SHARP stays off: on shared GPU hosts (and on the machines the project is measured
-# on) creating multicast objects fails or disturbs other jobs (docs/design.md §15).  These are only defaults:
+# on) creating multicast objects fails or disturbs other jobs (docs/operations.md, multicast).  These are only defaults:
 # a value already exported wins, e.g. `NCCL_NVLS_ENABLE=1 launch/torchrun.sh` on a dedicated node.
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"

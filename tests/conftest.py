@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-# Keep NVLink multicast off everywhere (shared GPU hosts; see docs/design.md §15).
+# Keep NVLink multicast off everywhere (shared GPU hosts; see docs/operations.md, multicast).
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
     os.environ.setdefault(_var, _val)
 

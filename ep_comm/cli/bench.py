@@ -1,4 +1,4 @@
-"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (docs/design.md §17).
+"""``ep-comm bench``: dispatch/combine latency and bandwidth per backend × layout (docs/performance.md).
 
 The backends and layouts to run are decided once, before anything is timed: those every rank can run
 (the backends' own availability probes, agreed by all ranks).  A backend that cannot run is named once
@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per rank of the oracle check before timing (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs (default: 0)")
     p.add_argument("--json", metavar="PATH",
-                   help="write the JSON report (docs/design.md §17) here (rewritten after every row)")
+                   help="write the JSON report (docs/design.md §2) here (rewritten after every row)")
     p.add_argument("--plot", metavar="PATH",
                    help=f"PNG of p50 latency vs tokens (needs matplotlib: {INSTALL_HINT})")
     p.add_argument("--peer", nargs="+", default=None, metavar="NAME", choices=("deepep", "nccl_ep"),

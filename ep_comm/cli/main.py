@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-#: multicast / NVLS stays off on the shared GPU hosts this runs on (docs/design.md §15); these are only
+#: multicast / NVLS stays off on the shared GPU hosts this runs on (docs/operations.md, multicast); these are only
 #: defaults: a value already in the environment wins, so a site that wants NVLS can export it.
 NVLS_OFF_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                      ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
@@ -22,7 +22,7 @@ NVLS_OFF_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
 EPILOG = """\
 examples:
   ep-comm info
-  ep-comm bench --tokens 128 4096 --json bench.json      # docs/design.md §17 table + JSON, all usable backends
+  ep-comm bench --tokens 128 4096 --json bench.json      # table + JSON (docs/design.md §2), all usable backends
   ep-comm bench --nproc 2 --tokens 32 --hidden 512 --experts 16 --topk 4 --backend ag_rs --layout batched
   ep-comm stress --nproc 4 --iters 200
   torchrun --nproc-per-node 8 -m ep_comm bench --mode graph

@@ -185,20 +185,12 @@ class ControlPlane:
         return Topology.from_host_ids(self.rank, self.host_ids, device_index)
 
     # -- the one per-call exchange -------------------------------------------------------------------
-    def agree(
-        self, op: int, epoch: int, num_tokens: int, error: Optional[BaseException] = None
-    ) -> list[PeerStatus]:
-        """All-gather (op, epoch, status, T) with every peer; raise the typed error every rank must see.
-
-        ``error`` is this rank's own validation failure (re-raised here after the peers learnt of it).
-        """
-        return self.agree_start(op, epoch, num_tokens, error)()
-
     def agree_start(self, op: int, epoch: int, num_tokens: int, error: Optional[BaseException] = None):
-        """``agree`` in two halves: sends this rank's record now and returns ``wait() -> list[PeerStatus]``,
-        which waits for the peers' records and raises what ``agree`` raises.  Between the two the caller
-        may only do local work that it can drop (nothing a peer waits for): the round trip then
-        overlaps it instead of adding to it."""
+        """All-gather (op, epoch, status, T) with every peer, in two halves: sends this rank's record now
+        and returns ``wait() -> list[PeerStatus]``, which waits for the peers' records and raises the
+        typed error every rank must see (this rank: its own ``error``, after the peers learnt of it; a
+        peer's input error; a peer on another call or missing).  Between the two the caller may only do
+        local work that it can drop (nothing a peer waits for): the round trip then overlaps it."""
         if self.broken:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
         status = 1 if error is not None else 0

@@ -1,4 +1,4 @@
-"""``ep-comm bench`` on CPU ranks (``CPU_RANKS``: on GPU machines too): table, docs/design.md §17 JSON, oracle
+"""``ep-comm bench`` on CPU ranks (``CPU_RANKS``: on GPU machines too): table, docs/design.md §2 JSON, oracle
 gate, streaming, peers, argument errors, progress, --plot; the GPU table's columns on 2+ GPUs."""
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def test_probe_reports_coherent_capabilities() -> None:
     if caps.fabric_supported and not caps.fabric_permitted:
         assert caps.fabric_error, caps
         assert "fabric supported but not permitted" in caps.fabric_summary()
-    if "H200" in caps.device_name:  # the machine of docs/design.md §16: attribute 1, no IMEX channel
+    if "H200" in caps.device_name:  # the machines of docs/performance.md: attribute 1, no IMEX channel
         assert caps.fabric_supported and not caps.fabric_permitted
         assert caps.fabric_error == "CUDA_ERROR_NOT_PERMITTED" and caps.granularity == 2 * MiB
     assert Capabilities.from_bytes(caps.to_bytes()) == caps

@@ -34,10 +34,8 @@ from ..base import Availability, Backend, BackendContext, Capabilities, CombineC
 from ..protocol import Limit, Phase
 from .device import Kernels
 from .errors import error_from, last_signalled
-from .layout import BufferLayout, backend_layout, default_num_blocks
+from .layout import NUM_SMS_ENV, BufferLayout, backend_layout, default_num_blocks
 from .ops import KernelOps
-
-NUM_SMS_ENV = "EP_COMM_NUM_SMS"
 
 
 class SymmetricMemory(Protocol):

@@ -141,10 +141,11 @@ def _check_pull_switch(forced: Optional[str]) -> None:
 
 
 def check_environment() -> None:
-    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED or $EP_COMM_COMBINE_PULL, raised before
-    any backend is made: under ``backend="auto"`` it must not pass for a backend that cannot start."""
+    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL or
+    $EP_COMM_NUM_SMS, raised before any backend is made: under ``backend="auto"`` it must not pass for a
+    backend that cannot start."""
     checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
-              (COMBINE_PULL_ENV, _check_pull_switch))
+              (COMBINE_PULL_ENV, _check_pull_switch), (NUM_SMS_ENV, _check_num_sms))
     for name, check in checks:
         value = os.environ.get(name)
         try:
@@ -207,8 +208,19 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     return v
 
 
+NUM_SMS_ENV = "EP_COMM_NUM_SMS"
 DECODE_MAX_TOKENS = 256  # up to this many tokens per rank, the default SM count is the decode one
 DECODE_SMS, PREFILL_SMS = 64, 24
+
+
+def _check_num_sms(value: Optional[str]) -> None:
+    if value:
+        try:
+            ok = int(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("expected a positive integer")
 
 
 def default_num_blocks(cfg: EPConfig, device: torch.device, env_value: Optional[str]) -> int:

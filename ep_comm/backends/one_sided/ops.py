@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from ...errors import EPError
 from .. import extension
 from ..protocol import Cfg, Pending, Phase
 
@@ -75,8 +76,8 @@ class MappedWords:
             else:
                 slot = MappedWords._next
                 if (slot + 1) * Pending.WORDS > arena.shape[0]:
-                    raise RuntimeError(f"ep_comm: more than {arena.shape[0] // Pending.WORDS} live one-sided "
-                                       "communicators in one process")
+                    raise EPError(f"more than {arena.shape[0] // Pending.WORDS} live one-sided communicators in "
+                                  "one process: close the ones no longer used")
                 MappedWords._next += 1
         self._slot: Optional[int] = slot
         self.words: np.ndarray = arena[slot * Pending.WORDS: (slot + 1) * Pending.WORDS]

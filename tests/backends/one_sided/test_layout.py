@@ -176,3 +176,12 @@ def test_a_malformed_pull_switch_is_a_config_error(monkeypatch):
     monkeypatch.setenv(lay_mod.COMBINE_PULL_ENV, "yes")
     with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_COMBINE_PULL='yes'"):
         lay_mod.backend_layout(cfg, 2)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_malformed_sm_count_is_a_config_error_before_any_backend_starts(monkeypatch, value):
+    monkeypatch.setenv(lay_mod.NUM_SMS_ENV, value)
+    with pytest.raises(ep_comm.EPConfigError, match=rf"\$EP_COMM_NUM_SMS='{value}'"):
+        lay_mod.check_environment()
+    monkeypatch.setenv(lay_mod.NUM_SMS_ENV, "24")
+    lay_mod.check_environment()
