@@ -15,8 +15,8 @@ import torch
 from . import protocol
 
 #: how to get the kernels, for every message that says they are missing
-BUILD_HINT = ("they are compiled by `pip install --no-build-isolation -e .` on a machine with a CUDA build of "
-              "torch and nvcc (pip's default build isolation hides the installed torch from the build; "
+BUILD_HINT = ("they are compiled by `python3 -m pip install --no-build-isolation -e .` on a machine with a CUDA "
+              "build of torch and nvcc (pip's default build isolation hides the installed torch from the build; "
               "EP_COMM_BUILD_CUDA=1 makes the build fail loudly instead of skipping it)")
 
 

@@ -56,7 +56,7 @@ def test_combine_grouped_mode_from_the_environment():
     with pytest.raises(ValueError, match="EP_COMM_COMBINE_GROUPED"):
         lay_mod.combine_grouped_mode("yes", "0", 24)
     std = ep_comm.EPConfig(num_experts=64, top_k=2, hidden=64, max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS)
-    assert lay_mod.default_combine_grouping(std, 2) == "split"  # measured at EP2 (bench/NOTES.md)
+    assert lay_mod.default_combine_grouping(std, 2) == "split"  # measured at EP2 (docs/performance.md)
     assert lay_mod.default_combine_grouping(std, 4) == "1" and lay_mod.default_combine_grouping(std, 8) == "1"
     assert lay_mod.default_combine_grouping(std, 1) == "0"
     assert lay_mod.default_combine_grouping(std.replace(layout="batched"), 2) == "0"
