@@ -328,13 +328,14 @@ def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: 
 
 
 class _Progress:
-    """tqdm when installed; otherwise a \\r counter on a terminal, or a line per 10 % into a log."""
+    """On a terminal tqdm when installed, else a \\r counter; into a log (not a terminal) a line per 10 %,
+    whether tqdm is installed or not (its redrawn bar makes an unreadable log)."""
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.enabled, self.done, self.failures = total, enabled, 0, 0
         self.bar: Any = None
         self.tty = enabled and sys.stderr.isatty()
-        if enabled:
+        if self.tty:
             try:
                 from tqdm import tqdm
 
