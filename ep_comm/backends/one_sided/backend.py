@@ -315,6 +315,18 @@ class OneSidedBackend(Backend):
         except Exception:  # noqa: BLE001 - the caller's error is the one to report
             pass
 
+    def _naming_lost_ranks(self, error: EPTimeoutError) -> EPTimeoutError:
+        """``error`` with the peers known to be gone as ``lost_ranks``: the kernels only see that no signal
+        came; the control plane knows whose process has exited (same host) or who closed its end."""
+        try:
+            gone = self.ctx.control.lost_peers()
+        except Exception:  # noqa: BLE001 - the timeout is the error to report, with or without this
+            return error
+        if not gone:
+            return error
+        lost = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(gone.items()))
+        return EPTimeoutError(f"{error}; {lost}", missing_ranks=error.missing_ranks, lost_ranks=gone)
+
     def check_errors(self) -> None:
         """Synchronise, then raise (and clear) whatever the kernels recorded."""
         if self._fatal is not None:
@@ -325,6 +337,8 @@ class OneSidedBackend(Backend):
         cfg = self.ctx.cfg
         error, fatal = error_from(report, last_signalled(report, self.kernels.flag_slots()), self.ctx.rank, self.name,
                                   cfg.timeout_s, self.kernels.num_blocks, cfg.max_tokens_per_rank, cfg.num_experts)
+        if isinstance(error, EPTimeoutError):
+            error = self._naming_lost_ranks(error)
         if fatal:
             self._fatal = error
         raise error

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 import ep_comm
@@ -181,3 +182,47 @@ def test_the_host_spins_only_where_cuda_would_spin(monkeypatch):
         **{**vars(fake), "cuDevicePrimaryCtxGetState": lambda dev: (201, 0, 0)}))
     monkeypatch.setattr(_driver, "error_name", lambda cu, err: "CUDA_ERROR_INVALID_CONTEXT")
     assert device._spins_for_the_host(0) is False  # the driver cannot say: the synchronising wait
+
+
+class _TimedOutKernels:
+    """The device side after a dispatch whose wait gave up on rank 1 (it never signalled)."""
+
+    num_blocks = 24
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def take_record(self) -> errors.StatusReport:
+        words = [0] * errors.status_words(self.world)
+        words[Status.TIMEOUTS] = 1
+        words[Status.EXPECTED_CODE] = (3 << 2) | 1
+        words[Status.RANK_REASON + 1] = Reason.TIMEOUT
+        return errors.StatusReport.from_words(words, self.world)
+
+    def flag_slots(self) -> list[list[int]]:
+        return [[0] * self.world, [0] * self.world]
+
+
+def _timed_out_backend(gone: dict[int, str]) -> MnnvlBackend:
+    b = _backend(world=2, rank=0)
+    b.kernels = _TimedOutKernels(2)
+    b.ctx.control = types.SimpleNamespace(lost_peers=lambda: gone)
+    return b
+
+
+def test_a_timeout_names_a_peer_whose_process_is_gone_as_lost():
+    b = _timed_out_backend({1: "its process 4242 has exited or was killed"})
+    with pytest.raises(ep_comm.EPTimeoutError) as info:
+        b.check_errors()
+    err = info.value
+    assert list(err.missing_ranks) == [1] and list(err.lost_ranks) == [1], err
+    assert "no signal from rank(s) [1]" in str(err) and "rank 1 is gone (its process 4242" in str(err), err
+    with pytest.raises(ep_comm.EPTimeoutError):  # the call sequence is broken: every later call raises it
+        b.check_errors()
+
+
+def test_a_timeout_without_evidence_names_the_peer_missing_only():
+    b = _timed_out_backend({})
+    with pytest.raises(ep_comm.EPTimeoutError) as info:
+        b.check_errors()
+    assert list(info.value.missing_ranks) == [1] and list(info.value.lost_ranks) == []
