@@ -10,6 +10,11 @@ One communicator per backend × layout × quant is created up front and reused f
 which is also what catches state leaking from one call into the next (epochs, reused buffers).
 On a mismatch the failing case (seed, iteration, rank, backend, layout, tokens per rank, the oracle's
 problem strings) is printed with a command that replays it, and the exit code is 1.
+
+``--faults`` mixes bad input on random ranks into the rounds (``ep_comm.cli.faults`` says which and
+what every rank must answer); the summary then counts per variant the faults injected, those answered
+wrongly, those survived in place and those that needed a new communicator.  A fault not survived in
+place fails the run, though the run goes on with a new communicator.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import dataclasses
 import random
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -26,8 +31,8 @@ from .. import oracle
 from ..communicator import Communicator
 from ..config import FP8_BLOCK, EPConfig
 from ..distributed.control import ControlPlane
-from ..errors import EPConfigError, EPTimeoutError, EPTopologyError
-from . import DTYPES, default_backends, format_table, resolve_backend_request, written_to_input_buffer
+from ..errors import EPConfigError, EPError, EPTimeoutError, EPTopologyError
+from . import DTYPES, default_backends, faults, format_table, resolve_backend_request, written_to_input_buffer
 from .launcher import PeerWatch, RankEnv, agree_exit_code, say, setup_rank, teardown
 
 
@@ -47,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-copy", action="store_true",
                    help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed; every "
                         "other iteration writes x into Communicator.dispatch_input_buffer())")
-    p.add_argument("--keep-going", action="store_true", help="run every iteration even after a mismatch")
+    p.add_argument("--keep-going", action="store_true",
+                   help="run every iteration even after a mismatch or a fault answered wrongly")
+    faults.add_arguments(p)
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)  # tests: one wrong combine
     # tests: the last rank raises a plain Python exception between a dispatch and its combine
     p.add_argument("--inject-exception", action="store_true", help=argparse.SUPPRESS)
@@ -60,6 +67,9 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         return err
     if args.iters < 1 or args.start < 0:
         return "--iters must be >= 1 and --start >= 0"
+    problem = faults.check_arguments(args)
+    if problem:
+        return problem
     try:
         EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=args.max_tokens,
                  dtype=DTYPES[args.dtype])
@@ -135,6 +145,7 @@ class Stats:
     tokens: int = 0
     failures: int = 0
     seconds: float = 0.0
+    faults: faults.Counts = dataclasses.field(default_factory=faults.Counts)
 
 
 def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[dict, list[str], int]:
@@ -151,9 +162,10 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
                 cfg = EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden,
                                max_tokens_per_rank=args.max_tokens, dtype=DTYPES[args.dtype], layout=layout,
                                backend=name, quant=quant, timeout_s=args.op_timeout,
-                               zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard")
+                               zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard",
+                               validate_ids=faults.validating(args))
                 try:
-                    comm = Communicator(cfg)  # a refusal is raised alike on every rank
+                    comm = _new_comm(cfg)
                 except EPTopologyError as exc:
                     msg = f"{name}: not usable here ({exc})"
                     if msg not in notes:
@@ -168,6 +180,11 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
     return comms, notes, code
 
 
+def _new_comm(cfg: EPConfig) -> Communicator:
+    """Every communicator of the run is made here (collective: a refusal is raised alike on every rank)."""
+    return Communicator(cfg)
+
+
 def _stress(env: RankEnv, args: argparse.Namespace) -> int:
     world = env.world_size
     if args.experts % world:
@@ -175,8 +192,10 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         return 2
     fp8_ok = args.hidden % FP8_BLOCK == 0
     # the per-iteration gather of results goes over a control plane too: a peer that dies there is
-    # named in a typed error within --op-timeout instead of hanging in the default group
-    results_plane = ControlPlane(env.cpu_group, args.op_timeout)
+    # named in a typed error within --op-timeout instead of hanging in the default group.  A faulty
+    # iteration may keep a rank in up to three bounded waits (the fault, the next call, a new
+    # communicator) while its peers already wait here
+    results_plane = ControlPlane(env.cpu_group, args.op_timeout * (3 if args.faults else 1))
     comms: dict = {}
     progress: Optional[_Progress] = None
     reason = "closed"
@@ -195,24 +214,46 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
                  f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
                  f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
-                 + ", ".join(f"{b}/{lay}" for b, lay in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)"))
+                 + ", ".join(f"{b}/{lay}" for b, lay in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)")
+                 + (f"; faults in {args.fault_rate:g} of the iterations, validate_ids {args.validate_ids}"
+                    if args.faults else ""))
         stats = {v: Stats() for v in variants}
         failed_cases: list[tuple[Case, list]] = []
+        injected: list[faults.Fault] = []
+        shown: set = set()  # variants whose first fault not survived in place was printed
         progress = _Progress(args.iters, enabled=env.is_root)
         t_start = time.perf_counter()
         for it in range(args.start, args.start + args.iters):
+            if not variants:  # every variant was dropped (no new communicator after a fault)
+                break
             case = plan(args, it, world, fp8_ok)
-            records = _run_case(env, args, comms, variants, case, stats)
-            everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems])] per rank
-            bad = [(r, b, lay, ps) for r, recs in enumerate(everyone) for b, lay, ps in recs if ps]
+            fault = faults.plan_fault(args, it, world, args.experts) if args.faults else None
+            records = _run_case(env, args, comms, variants, case, stats, fault)
+            everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems], trace)] per rank
+            bad = [(r, b, lay, ps) for r, recs in enumerate(everyone) for b, lay, ps, _ in recs if ps]
+            wrong: list = []
+            if fault is not None:
+                injected.append(fault)
+                counts = {v: st.faults for v, st in stats.items()}
+                wrong, renew = faults.verdicts(fault, everyone, counts, faults.validating(args), args.op_timeout)
+                fresh = [(v, errors) for v, errors in renew if v not in shown]
+                if fresh and env.is_root:
+                    progress.clear()
+                    _print_not_survived(env, args, fault, fresh)
+                shown.update(v for v, _ in renew)
+                if renew:
+                    again = _renew(env, args, comms, variants, [v for v, _ in renew], case)
+                    bad += [(r, b, lay, ps) for r, recs in enumerate(results_plane.gather_objects(again))
+                            for b, lay, ps in recs if ps]
             for variant in {(b, lay) for _, b, lay, _ in bad}:
                 stats[variant].failures += 1
-            progress.update(len(failed_cases) + (1 if bad else 0))
-            if bad:
-                failed_cases.append((case, bad))
+            failing = bool(bad or wrong)
+            progress.update(len(failed_cases) + failing)
+            if failing:
+                failed_cases.append((case, bad + wrong))
                 if env.is_root:
                     progress.clear()
-                    _print_failure(env, args, case, bad)
+                    _print_failure(env, args, case, fault, bad, wrong)
                 if not args.keep_going:
                     break
         watch.stop()  # from here on, a peer that finished first and exited is no failure
@@ -229,19 +270,21 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         results_plane.close(reason)
     elapsed = time.perf_counter() - t_start
     if env.is_root:
-        _print_summary(env, args, stats, failed_cases, elapsed)
-    return 1 if failed_cases else 0
+        _print_summary(env, args, stats, failed_cases, elapsed, injected)
+    not_survived = any(st.faults.new_comm for st in stats.values())
+    return 1 if failed_cases or not_survived else 0
 
 
-def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: Case,
-              stats: dict) -> list[tuple[str, str, list[str]]]:
-    """Every variant on this case; returns this rank's (backend, layout, problems) records."""
+def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: Case, stats: dict,
+              fault: Optional[faults.Fault] = None) -> list[tuple[str, str, list[str], Optional[faults.Trace]]]:
+    """Every variant on this case (after the fault, if any); returns this rank's (backend, layout,
+    problems, fault trace) records."""
     rank, world = env.rank, env.world_size
     cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
     inputs = _case_inputs(cfg, case)
-    expected_d = oracle.expected_dispatch(cfg, inputs)[rank]
-    expected_y = oracle.expected_combine(cfg, [inputs[rank]])[0]  # a rank's output needs only its inputs
+    expected = _expected(cfg, inputs, rank)
     mine = inputs[rank].to(env.device)
+    bad_inputs = faults.faulty_inputs(cfg, inputs, fault) if fault is not None else []
     records = []
     for i, (backend, layout) in enumerate(variants):
         comm = comms[(backend, layout, case.quant)]
@@ -252,26 +295,111 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         st.skewed += case.routing == "skewed"
         st.zero_token_ranks += case.tokens.count(0)
         st.tokens += sum(case.tokens)
-        problems: list[str] = []
         t0 = time.perf_counter()
-        try:
-            # every other iteration x is written into the input buffer (kernel backends: sent in place)
-            x = written_to_input_buffer(comm, mine.x) if comm.cfg.zero_copy and case.iteration % 2 else mine.x
-            d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
-            problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
-            if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
-                raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "
-                                    f"between dispatch and combine, at unix time {time.time():.3f}")
-            y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
-            if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
-                y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
-            problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
-        except (EPTimeoutError, InjectedError):
-            raise  # a peer is gone (or this rank is the one failing): no further collective can work
-        except Exception as exc:  # noqa: BLE001 - any failure of the library is a finding, reported with its case
-            problems.append(f"{type(exc).__name__}: {exc}")
+        trace: Optional[faults.Trace] = None
+        if fault is None:
+            problems = _checked_call(env, args, comm, case, i, mine, expected)
+        else:
+            trace = faults.attempt(comm, fault, rank, world, bad_inputs, faults.validating(args))
+            problems = _after_fault(env, args, comm, case, i, mine, expected, fault, trace)
         st.seconds += time.perf_counter() - t0
-        records.append((backend, layout, problems))
+        records.append((backend, layout, problems, trace))
+    return records
+
+
+def _expected(cfg: EPConfig, inputs: list[oracle.RankInput], rank: int) -> tuple[oracle.ExpectedRank, torch.Tensor]:
+    """This rank's expected dispatch and combine (a rank's combine output needs only its own inputs)."""
+    return oracle.expected_dispatch(cfg, inputs)[rank], oracle.expected_combine(cfg, [inputs[rank]])[0]
+
+
+def _valid_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+                mine: oracle.RankInput, expected: tuple) -> list[str]:
+    """One dispatch + combine of the case on ``comm``, compared with the oracle; the library's errors pass."""
+    rank, world = env.rank, env.world_size
+    expected_d, expected_y = expected
+    # every other iteration x is written into the input buffer (kernel backends: sent in place)
+    x = written_to_input_buffer(comm, mine.x) if comm.cfg.zero_copy and case.iteration % 2 else mine.x
+    d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+    problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
+    if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+        raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "
+                            f"between dispatch and combine, at unix time {time.time():.3f}")
+    y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
+    if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+        y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
+    problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
+    return problems
+
+
+def _checked_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+                  mine: oracle.RankInput, expected: tuple) -> list[str]:
+    """``_valid_call`` with the library's errors as problems, but for a lost peer."""
+    try:
+        return _valid_call(env, args, comm, case, i, mine, expected)
+    except (EPTimeoutError, InjectedError):
+        raise  # a peer is gone (or this rank is the one failing): no further collective can work
+    except Exception as exc:  # noqa: BLE001 - any failure of the library is a finding, reported with its case
+        return [f"{type(exc).__name__}: {exc}"]
+
+
+def _after_fault(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+                 mine: oracle.RankInput, expected: tuple, fault: faults.Fault, trace: faults.Trace) -> list[str]:
+    """The valid call on the communicator that just had the fault.  Where it raises, ``trace`` says so
+    (the fault was not survived in place) and it is made again on a new communicator (``_renew``)."""
+    validate = faults.validating(args)
+    outcome = _attempt(env, args, comm, case, i, mine, expected)
+    if isinstance(outcome, BaseException) and faults.reported_by_next_call(fault, validate, trace, outcome):
+        trace.answers.append(faults.Answer.of("next call", outcome))
+        outcome = _attempt(env, args, comm, case, i, mine, expected)
+    if isinstance(outcome, BaseException):
+        trace.recovery_error = f"{type(outcome).__name__}: {outcome}"
+        return []
+    faults.backstop(comm, fault, validate, trace)
+    return [f"next call after the fault: {p}" for p in outcome]
+
+
+def _attempt(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+             mine: oracle.RankInput, expected: tuple) -> Union[list[str], Exception]:
+    """``_valid_call``'s problems, or what it raised; a timeout naming lost ranks ends the run."""
+    try:
+        return _valid_call(env, args, comm, case, i, mine, expected)
+    except InjectedError:
+        raise
+    except EPTimeoutError as exc:
+        if exc.lost_ranks:
+            raise
+        return exc
+    except Exception as exc:  # noqa: BLE001 - the verdict on the fault reads it
+        return exc
+
+
+def _renew(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, renew: list,
+           case: Case) -> list[tuple[str, str, list[str]]]:
+    """Replace the communicators that did not survive the fault (closed, then created again: collective,
+    in the same order on every rank) and make the case's valid call on each; returns this rank's
+    (backend, layout, problems) records."""
+    cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
+    inputs = _case_inputs(cfg, case)
+    expected = _expected(cfg, inputs, env.rank)
+    mine = inputs[env.rank].to(env.device)
+    records = []
+    for backend, layout in renew:
+        key = (backend, layout, case.quant)
+        old = comms.pop(key)
+        old.close("closed after a fault it did not survive")
+        try:
+            comms[key] = _new_comm(dataclasses.replace(old.cfg, backend=backend))
+        except EPTimeoutError:
+            raise
+        except EPError as exc:
+            # creation is all-or-nothing: every rank drops the variant alike
+            records.append((backend, layout, [f"no new communicator after the fault: {type(exc).__name__}: {exc}"]))
+            for k in [k for k in comms if k[:2] == (backend, layout)]:
+                comms.pop(k).close("its variant was dropped")
+            variants.remove((backend, layout))
+            continue
+        problems = _checked_call(env, args, comms[key], case, variants.index((backend, layout)), mine, expected)
+        records.append((backend, layout, [f"on a new communicator after the fault: {p}" for p in problems]))
     return records
 
 
@@ -301,30 +429,78 @@ def _case_inputs(cfg: EPConfig, case: Case) -> list[oracle.RankInput]:
     return out
 
 
-def _print_failure(env: RankEnv, args: argparse.Namespace, case: Case, bad: list) -> None:
-    print(f"\nMISMATCH in iteration {case.iteration} (seed {args.seed}): {case.describe()}", flush=True)
-    for rank, backend, layout, problems in bad:
+def _replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: list[str]) -> str:
+    """The command that runs iteration ``iteration`` again, alone, on ``backends``."""
+    cmd = (f"ep-comm stress --nproc {env.world_size} --seed {args.seed} --start {iteration} --iters 1 "
+           f"--backend {','.join(backends)} --hidden {args.hidden} --experts {args.experts} --topk {args.topk} "
+           f"--max-tokens {args.max_tokens} --dtype {args.dtype}")
+    if getattr(args, "zero_copy", False):
+        cmd += " --zero-copy"
+    if args.faults:
+        cmd += f" --faults --fault-rate {args.fault_rate:g}"
+    if not faults.validating(args):
+        cmd += " --validate-ids off"
+    if args.faults and args.op_timeout != 100.0:
+        cmd += f" --op-timeout {args.op_timeout:g}"  # an answer slower than it is wrong
+    return cmd + (" --inject-fault" if args.inject_fault else "")
+
+
+def _print_failure(env: RankEnv, args: argparse.Namespace, case: Case, fault: Optional[faults.Fault], bad: list,
+                   wrong: list) -> None:
+    title = " and ".join(t for t, on in (("MISMATCH", bad), ("FAULT ANSWERED WRONGLY", wrong)) if on)
+    print(f"\n{title} in iteration {case.iteration} (seed {args.seed}): {case.describe()}", flush=True)
+    if fault is not None:
+        print(f"  {fault.describe(faults.validating(args))}", flush=True)
+    for rank, backend, layout, problems in bad + wrong:
         for p in problems:
             print(f"  rank {rank}, backend {backend}, layout {layout}: {p}", flush=True)
-    backends = sorted({b for _, b, _, _ in bad})
-    print(f"  replay: ep-comm stress --nproc {env.world_size} --seed {args.seed} --start {case.iteration} --iters 1 "
-          f"--backend {','.join(backends)} --hidden {args.hidden} --experts {args.experts} --topk {args.topk} "
-          f"--max-tokens {args.max_tokens} --dtype {args.dtype}" + (" --inject-fault" if args.inject_fault else ""),
+    print(f"  replay: {_replay(env, args, case.iteration, sorted({b for _, b, _, _ in bad + wrong}))}", flush=True)
+
+
+def _print_not_survived(env: RankEnv, args: argparse.Namespace, fault: faults.Fault, fresh: list) -> None:
+    """The first fault each variant did not survive in place (later ones are counted, not printed)."""
+    names = [f"{b}/{lay}" for (b, lay), _ in fresh]
+    (backend, layout), errors = fresh[0]
+    print(f"\nFAULT NOT SURVIVED in iteration {fault.iteration} (seed {args.seed}): "
+          f"{fault.describe(faults.validating(args))}", flush=True)
+    print(f"  on {', '.join(names)} the next call on the same communicator raised; on {backend}/{layout}:", flush=True)
+    for rank, error in errors:
+        print(f"  rank {rank}: {error if len(error) <= 400 else error[:397] + '...'}", flush=True)
+    print("  a new communicator was created and the run goes on; later faults not survived on "
+          f"{'these variants' if len(fresh) > 1 else 'this variant'} are counted in the summary, not printed",
           flush=True)
+    print(f"  replay: {_replay(env, args, fault.iteration, sorted({b for (b, _), _ in fresh}))}", flush=True)
 
 
-def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: list, elapsed: float) -> None:
+def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: list, elapsed: float,
+                   injected: list) -> None:
+    headers = ["backend", "layout", "iters", "fp8", "uint8", "skewed", "zero_tok_ranks", "tokens", "failures"]
+    headers += ["faults", "wrong", "in_place", "new_comm"] if args.faults else []
     rows = []
     for (backend, layout), st in sorted(stats.items()):
         per_iter = 1e3 * st.seconds / st.iterations if st.iterations else 0.0
-        rows.append([backend, layout, st.iterations, st.fp8, st.uint8, st.skewed, st.zero_token_ranks,
-                     st.tokens, st.failures, f"{per_iter:.1f}", "FAIL" if st.failures else "ok"])
-    print(format_table(["backend", "layout", "iters", "fp8", "uint8", "skewed", "zero_tok_ranks", "tokens",
-                        "failures", "ms/iter", "result"], rows, right=range(2, 10)), flush=True)
+        f = st.faults
+        row = [backend, layout, st.iterations, st.fp8, st.uint8, st.skewed, st.zero_token_ranks, st.tokens, st.failures]
+        row += [f.injected, f.wrong, f.in_place, f.new_comm] if args.faults else []
+        failing = st.failures or f.wrong or f.new_comm
+        rows.append(row + [f"{per_iter:.1f}", "FAIL" if failing else "ok"])
+    print(format_table(headers + ["ms/iter", "result"], rows, right=range(2, len(headers) + 1)), flush=True)
     done = max((st.iterations for st in stats.values()), default=0)
-    verdict = "FAILED" if failed else "PASSED"
+    total = {k: sum(getattr(st.faults, k) for st in stats.values())
+             for k in ("injected", "wrong", "in_place", "new_comm")}
+    if args.faults:
+        print(f"faults: {len(injected)} of {done} iteration(s) faulty, each fault made on every variant "
+              f"({faults.tally_kinds(injected)})", flush=True)
+        lost = [f"  {b}/{lay}: {st.faults.new_comm} of {st.faults.injected} ({faults.tally_kinds(st.faults.lost)})"
+                for (b, lay), st in sorted(stats.items()) if st.faults.new_comm]
+        if lost:
+            print("\n".join(["faults not survived in place (the next call raised; a new communicator was created):",
+                             *lost]), flush=True)
+    verdict = "FAILED" if failed or total["new_comm"] else "PASSED"
+    fault_part = (f", {total['injected']} fault(s): {total['in_place']} survived in place, {total['new_comm']} "
+                  f"needed a new communicator, {total['wrong']} answered wrongly" if args.faults else "")
     print(f"stress {verdict}: {done} iteration(s) x {len(stats)} variant(s) on {env.world_size} ranks, "
-          f"{len(failed)} failing iteration(s), {elapsed:.1f} s", flush=True)
+          f"{len(failed)} failing iteration(s){fault_part}, {elapsed:.1f} s", flush=True)
 
 
 class _Progress:
