@@ -466,7 +466,7 @@ def _print_not_survived(env: RankEnv, args: argparse.Namespace, fault: faults.Fa
     print(f"  on {', '.join(names)} the next call on the same communicator raised; on {backend}/{layout}:", flush=True)
     for rank, error in errors:
         print(f"  rank {rank}: {error if len(error) <= 400 else error[:397] + '...'}", flush=True)
-    print("  a new communicator was created and the run goes on; later faults not survived on "
+    print("  a new communicator is created and the run goes on; later faults not survived on "
           f"{'these variants' if len(fresh) > 1 else 'this variant'} are counted in the summary, not printed",
           flush=True)
     print(f"  replay: {_replay(env, args, fault.iteration, sorted({b for (b, _), _ in fresh}))}", flush=True)
