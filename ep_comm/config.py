@@ -45,8 +45,9 @@ class EPConfig:
     count in the gathered data and raise on every rank at the end of the call; the kernel backends
     launch the dispatch behind the check kernel and wait for the check after, and a dispatch that
     meets a bad id sends its peers an abort instead of rows. False skips that sync: out-of-range
-    ids are treated as -1 and counted on the device, and a later call (kernel backends: the next one;
-    collective backends: the first dispatch after the device has counted them) or ``check_errors()`` raises.
+    ids are treated as -1 and counted on the device, and a later call (kernel backends: the next
+    combine, after its launch, so the ranks stay in step; collective backends: the first dispatch
+    after the device has counted them) or ``check_errors()`` raises.
     ``zero_copy`` (standard layout): the kernel backends return ``Dispatched.x`` / ``x_scales`` as
     row-strided views of the communicator's receive buffer instead of copying the received rows out
     (a pass over the received bytes saved; docs/performance.md).  Read them only before this rank's ``combine`` of

@@ -148,7 +148,11 @@ class OneSidedBackend(Backend):
             raise EPConfigError("zero_copy", True, "its rows are views of the receive buffer, which a torch.compile "
                                 "graph cannot order after the dispatch; use eager calls or CUDA graphs")
         host_checks = not compiling and not _capturing(self.ctx.device)
-        earlier_drops = host_checks and self._before_call()
+        if host_checks:
+            # ids an earlier call dropped are raised by the next combine, after its launch: raised
+            # here, after this dispatch went out, they would leave the caller without the rows its
+            # peers combine next
+            self._before_call()
         error = call.error or self._unsendable(call)
         if error is not None:
             self._abandon(error)
@@ -164,8 +168,6 @@ class OneSidedBackend(Backend):
             error = _invalid_ids_error(call.topk_ids, cfg.num_experts, self.ctx.rank)
             self._fatal = self._fatal or _abandoned(self.ctx.rank, error)  # the kernel told the peers
             raise error
-        if earlier_drops:
-            self.check_errors()
         # zero copy: the rows handed out now are read until this rank's combine of them (eager calls:
         # a failed capture must not leave a call behind that never ran; replays are the user's order)
         if host_checks and self.zero_copy:
@@ -296,7 +298,7 @@ class OneSidedBackend(Backend):
     # -- errors ---------------------------------------------------------------------------------------
     def _before_call(self) -> bool:
         """Raise a recorded peer problem now (the call must not start: the ranks are out of step).
-        Returns whether an earlier call dropped invalid ids: that is raised once this call has been
+        Returns whether an earlier call dropped invalid ids: a combine raises that once it has been
         launched, so this rank stays in step with its peers."""
         if self._fatal is not None:
             raise self._fatal

@@ -17,6 +17,7 @@ from ep_comm.backends import Availability
 from ep_comm.backends.one_sided.errors import StatusReport, status_words
 from ep_comm.backends.one_sided.layout import BufferLayout
 from ep_comm.backends.one_sided.mnnvl import MnnvlBackend
+from ep_comm.backends.protocol import Status
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 from ep_comm.errors import EPError
 
@@ -33,6 +34,7 @@ class RecordingKernels:
         self.ctx, self.log = ctx, []
         self.zero_copy = ctx.cfg.zero_copy
         self._ids_ok = True
+        self.dropped = 0  # ids an earlier launch treated as -1 (validation off), as the kernel counts them
 
     def read_expert_rows_from(self, rows) -> None:
         pass
@@ -69,10 +71,15 @@ class RecordingKernels:
         return False
 
     def recoverable_pending(self) -> bool:
-        return False
+        return self.dropped > 0
 
     def take_record(self) -> StatusReport:
-        return StatusReport.from_words([0] * status_words(self.ctx.world_size), self.ctx.world_size)
+        words = [0] * status_words(self.ctx.world_size)
+        words[Status.INVALID_IDS], self.dropped = self.dropped, 0
+        return StatusReport.from_words(words, self.ctx.world_size)
+
+    def flag_slots(self) -> list[list[int]]:
+        return [[0] * self.ctx.world_size, [0] * self.ctx.world_size]
 
     def release(self) -> None:
         self.log.append("close")
@@ -143,6 +150,11 @@ def kernel_path_worker() -> dict:
         out["after the bad id"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
     with ep_comm.Communicator(cfg.replace(validate_ids=False)) as comm:
         out["bad id, validation off"] = _calls(comm, lambda: comm.dispatch(x, bad, w))
+        comm._impl.kernels.dropped = 1  # what the kernel counted in that launch
+        out["validation off, next dispatch"] = _calls(comm, dispatch)
+        n = holder["d"].x.shape[0]
+        out["validation off, its combine"] = _calls(
+            comm, lambda: comm.combine(torch.zeros(n, cfg.hidden, dtype=cfg.dtype), holder["d"]))
     zc = cfg.replace(zero_copy=True, validate_ids=False)
     with ep_comm.Communicator(zc) as comm:  # dispatch, combine, dispatch: in step
         d = comm.dispatch(x, ids, w)
@@ -181,6 +193,11 @@ def test_kernel_path_orders_validation_launch_and_hooks():
     assert calls == [] and raised.startswith("EPError") and "abandoned" in raised, (calls, raised)
     # validation off: no check, no abandoning; the kernel counts the id and a later call raises
     assert res["bad id, validation off"] == (["dispatch abandon_on_invalid=False"], "")
+    # the count is raised by the next combine, after its launch: a dispatch that raised after going out
+    # would leave this rank without the rows its peers then combine
+    assert res["validation off, next dispatch"] == (["dispatch abandon_on_invalid=False"], "")
+    calls, raised = res["validation off, its combine"]
+    assert calls == ["combine"] and raised.startswith("EPInputError") and "treated as -1" in raised, (calls, raised)
     # zero copy: a dispatch must follow the combine of the previous one; otherwise it is refused before
     # anything is launched and the peers are told
     assert res["zero copy, combined"] == (["combine"], "")
