@@ -12,8 +12,9 @@ from .errors import EPConfigError
 
 LAYOUTS = ("standard", "batched")
 BACKEND_NAMES = ("auto", "naive", "ag_rs", "mnnvl", "nvshmem")
-QUANT_MODES = (None, "fp8")
+QUANT_MODES = (None, "fp8", "nvfp4")
 FP8_BLOCK = 128  # channels per fp8 scale (DeepSeek-V3 recipe)
+NVFP4_BLOCK = 16  # channels per NVFP4 e4m3 block scale
 BACKEND_ENV = "EP_COMM_BACKEND"
 
 _DTYPE_NAMES = {
@@ -37,7 +38,11 @@ class EPConfig:
     """Static description of one MoE layer's exchange.
 
     Rank ``r`` owns global experts ``[r*L, (r+1)*L)`` with ``L = num_experts // world_size``.
-    ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant="fp8"`` quantises from.
+    ``dtype`` is the activation dtype: what ``combine`` returns and what ``quant`` quantises from.
+    ``quant``: None, ``"fp8"`` (e4m3, a float32 scale per token per 128 channels; ``hidden % 128 == 0``)
+    or ``"nvfp4"`` (e2m1 packed two per byte, an e4m3 scale per 16 channels and the caller's float32
+    global scale; ``hidden % 16 == 0``), applied on dispatch only (``ep_comm.quant``,
+    ``ep_comm.quant_nvfp4``).
     ``num_sms``: SMs the kernel backends (``mnnvl``) run on; None means ``$EP_COMM_NUM_SMS``, else 64
     when ``max_tokens_per_rank <= 256`` (decode) and 24 above (prefill).
     ``validate_ids``: eager dispatch checks expert ids (one device→host sync per dispatch) and raises
@@ -92,6 +97,9 @@ class EPConfig:
             raise EPConfigError("quant", self.quant, f"must be one of {QUANT_MODES}")
         if self.quant == "fp8" and self.hidden % FP8_BLOCK:
             raise EPConfigError("hidden", self.hidden, f"quant='fp8' needs hidden % {FP8_BLOCK} == 0")
+        if self.quant == "nvfp4" and self.hidden % NVFP4_BLOCK:
+            raise EPConfigError("hidden", self.hidden, f"quant='nvfp4' needs hidden % {NVFP4_BLOCK} == 0 (one e4m3 "
+                                f"scale per {NVFP4_BLOCK} channels)")
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise EPConfigError("timeout_s", self.timeout_s, "must be a positive finite number of seconds")
         if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int)
