@@ -21,6 +21,9 @@ class Dispatched:
       - ``x``: ``[L, capacity, hidden]``; rows ``[e, :expert_num_tokens[e]]`` are valid.
       - ``x_scales``: ``[L, capacity, S]`` or None.
       - ``expert_num_tokens``: ``[L]`` int32 on the device.
+    ``x_global_scale``: with ``quant="nvfp4"`` the float32 ``[1]`` global scale the rows were quantised
+    with (the tensor this rank passed as ``x_scales``, the same value on every rank): element ``i`` of a
+    row is ``e2m1(x) * x_scales[i // 16] / x_global_scale``.  None otherwise.
     ``handle`` is the backend's private state that ``combine`` needs; treat it as opaque.
     """
 
@@ -34,6 +37,7 @@ class Dispatched:
     epoch: int = 0
     handle: Any = dataclasses.field(default=None, repr=False)
     owner: Any = dataclasses.field(default=None, repr=False, compare=False)
+    x_global_scale: Optional[torch.Tensor] = None
 
     @property
     def is_batched(self) -> bool:

@@ -17,6 +17,7 @@ from .config import EPConfig
 from .errors import EPInputError
 from .layouts import Dispatched
 from .quant import dequantize_fp8, quantize_fp8
+from .quant_nvfp4 import SCALE_DTYPE, dequantize_nvfp4, nvfp4_global_scale, nvfp4_tolerance, quantize_nvfp4
 
 ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]  # (float32 [n, hidden], global expert) -> [n, hidden]
 
@@ -49,7 +50,9 @@ def random_inputs(
 ) -> list[RankInput]:
     """Fresh random inputs for every rank, identical in every process that passes the same seed.
 
-    ``payload``: "dtype" (x of cfg.dtype) or "uint8" (opaque ``[T, hidden // 2]`` bytes, e.g. NVFP4).
+    ``payload``: "dtype" (x of cfg.dtype) or "uint8" (opaque ``[T, hidden // 2]`` bytes, e.g. NVFP4
+    quantised by the caller).  With ``cfg.quant == "nvfp4"`` every rank's ``x_scales`` is the global
+    scale, float32 ``[1]``: ``2688 / amax`` over all ranks' x (one tensor's recipe, the same on every rank).
     ``routing``: "uniform" (k distinct random experts per token) or "skewed" (every token's first
     choice is the same expert).  ``p_minus_one``/``p_duplicate``: chance per slot of -1 / of repeating
     the token's first id.
@@ -79,7 +82,20 @@ def random_inputs(
         w = torch.rand(t, cfg.top_k, generator=g).float() + 0.05
         s = torch.randn(t, scales_width, generator=g) if scales_width else None
         out.append(RankInput(x, ids.to(torch.int32), w, s))
+    if cfg.quant == "nvfp4":
+        if payload != "dtype" or scales_width:
+            raise ValueError("quant='nvfp4' quantises x of cfg.dtype and takes the global scale as x_scales: "
+                             "payload must be 'dtype' and scales_width 0")
+        out = with_global_scale(out)
     return out
+
+
+def with_global_scale(inputs: Sequence[RankInput]) -> list[RankInput]:
+    """``inputs`` with every rank's ``x_scales`` set to the NVFP4 global scale of all ranks' x together
+    (float32 ``[1]``, computed on the CPU: ``quant_nvfp4.nvfp4_global_scale``)."""
+    flat = [inp.x.detach().cpu().reshape(-1).float() for inp in inputs]
+    gs = nvfp4_global_scale(torch.cat(flat) if flat else torch.zeros(0))
+    return [dataclasses.replace(inp, x_scales=gs.clone()) for inp in inputs]
 
 
 # -- the reference ------------------------------------------------------------------------------------
@@ -100,18 +116,35 @@ def merged_routes(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) ->
 
 
 def wire_payload(cfg: EPConfig, inp: RankInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """What travels: the fp8 quantised payload and its scales, or x and x_scales unchanged."""
+    """What travels: the fp8 or NVFP4 quantised payload and its block scales (NVFP4: with the global
+    scale ``inp.x_scales``), or x and x_scales unchanged."""
     if cfg.quant == "fp8":
         return quantize_fp8(inp.x.cpu())
+    if cfg.quant == "nvfp4":
+        packed, scales, _ = quantize_nvfp4(inp.x.cpu(), _global_scale_of(inp))
+        return packed, scales
     return inp.x.cpu(), None if inp.x_scales is None else inp.x_scales.cpu()
 
 
-def payload_as_float(cfg: EPConfig, x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """float32 ``[..., hidden]`` view of a received payload, what a test expert computes on."""
+def _global_scale_of(inp: RankInput) -> torch.Tensor:
+    if inp.x_scales is None:
+        raise EPInputError("quant='nvfp4': the input's x_scales must hold the global scale, got None")
+    return inp.x_scales.cpu()
+
+
+def payload_as_float(cfg: EPConfig, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                     global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 ``[..., hidden]`` view of a received payload, what a test expert computes on
+    (``global_scale``: quant="nvfp4" only, the ``Dispatched.x_global_scale``)."""
     if cfg.quant == "fp8":
         if x_scales is None:
             raise EPInputError("quant='fp8': the payload's x_scales are needed to dequantise it, got None")
         xf = dequantize_fp8(x, x_scales)
+    elif cfg.quant == "nvfp4":
+        if x_scales is None or global_scale is None:
+            raise EPInputError("quant='nvfp4': the block scales (x_scales) and the global scale are needed to "
+                               "dequantise the payload")
+        xf = dequantize_nvfp4(x, x_scales, global_scale)
     elif x.dtype == torch.uint8:
         xf = x.float() / 255.0
     else:
@@ -133,6 +166,10 @@ class ExpectedRank:
 
     rows: dict  # key -> list of {local expert: weight} (standard; one entry per source token)
     per_expert: list  # per local expert: Counter of keys (batched)
+    # quant="nvfp4": key -> the source row unquantised (float32 [hidden]), and the inputs' global scale;
+    # received rows are matched to them by dequantising (``_nvfp4_keys``)
+    originals: dict = dataclasses.field(default_factory=dict)
+    global_scale: Optional[float] = None
 
 
 def _filled(t: Optional[torch.Tensor], what: str) -> torch.Tensor:
@@ -154,8 +191,15 @@ def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[Expect
     world = len(inputs)
     L = cfg.num_experts // world
     out = [ExpectedRank(collections.defaultdict(list), [collections.Counter() for _ in range(L)]) for _ in range(world)]
+    nvfp4 = cfg.quant == "nvfp4"
     for inp in inputs:
-        x, s = wire_payload(cfg, inp)
+        # NVFP4 rows are known by their source bytes (cfg.dtype): a backend's quantiser may differ from
+        # the reference at rounding ties, so received rows are matched by value, not by their bytes
+        x, s = (inp.x.cpu(), None) if nvfp4 else wire_payload(cfg, inp)
+        if nvfp4:
+            gs = float(_global_scale_of(inp).reshape(-1)[0])
+            for r in range(world):
+                out[r].global_scale = gs
         for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
             key = _row_key(x[t], None if s is None else s[t])
             by_rank: dict[int, dict[int, float]] = collections.defaultdict(dict)
@@ -163,6 +207,8 @@ def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[Expect
                 by_rank[e // L][e % L] = w
             for r, local in by_rank.items():
                 out[r].rows[key].append(local)
+                if nvfp4:
+                    out[r].originals[key] = x[t].float()
                 for e in local:
                     out[r].per_expert[e][key] += 1
     return out
@@ -176,7 +222,8 @@ def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput],
         x, s = wire_payload(cfg, inp)
         y = torch.zeros(x.shape[0], cfg.hidden)
         for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
-            xf = payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1])
+            gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
+            xf = payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1], gs)
             for e, w in route.items():
                 y[t] += w * expert_fn(xf, e)[0]
         outs.append(y)
@@ -201,9 +248,9 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
             n = counts[e]
             if n:
                 s = None if d.x_scales is None else d.x_scales[e, :n]
-                out[e, :n] = expert_fn(payload_as_float(cfg, d.x[e, :n], s), rank * L + e)
+                out[e, :n] = expert_fn(payload_as_float(cfg, d.x[e, :n], s, d.x_global_scale), rank * L + e)
         return out.to(cfg.dtype)
-    xf = payload_as_float(cfg, d.x, d.x_scales)
+    xf = payload_as_float(cfg, d.x, d.x_scales, d.x_global_scale)
     out = torch.zeros(d.x.shape[0], cfg.hidden, device=dev)
     ids, w = _filled(d.topk_ids, "topk_ids"), _filled(d.topk_weights, "topk_weights")
     for e in torch.unique(ids[ids >= 0]).tolist():
@@ -216,8 +263,15 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
 
 # -- comparison ---------------------------------------------------------------------------------------------
 def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_report: int = 5) -> list[str]:
-    """Differences between a backend's ``Dispatched`` and the oracle's (empty list = match)."""
-    problems: list[str] = []
+    """Differences between a backend's ``Dispatched`` and the oracle's (empty list = match).
+
+    Rows are compared as multisets keyed by their bytes; with ``quant="nvfp4"`` by value instead: each
+    received row, dequantised, must lie within ``quant_nvfp4.nvfp4_tolerance`` of its source row
+    (``_nvfp4_keys``), so a kernel whose rounding differs from the reference at ties still matches.
+    """
+    problems: list[str] = _nvfp4_format_problems(cfg, d, expected) if cfg.quant == "nvfp4" else []
+    if problems:
+        return problems
     if d.layout == "batched":
         counts = _filled(d.expert_num_tokens, "expert_num_tokens").cpu().tolist()
         x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
@@ -226,7 +280,7 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
             if n != sum(want.values()):
                 problems.append(f"expert {e}: expert_num_tokens={n}, expected {sum(want.values())}")
                 continue
-            keys = collections.Counter(_row_key(x[e, i], None if s is None else s[e, i]) for i in range(n))
+            keys = collections.Counter(_received_keys(cfg, d, expected, x[e, :n], None if s is None else s[e, :n]))
             if keys != want:
                 problems.append(f"expert {e}: received rows differ from the oracle ({len(keys - want)} unexpected, "
                                 f"{len(want - keys)} missing)")
@@ -242,18 +296,17 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
     if bool(((ids < -1) | (ids >= len(expected.per_expert))).any()):
         problems.append(f"topk_ids outside [-1, {len(expected.per_expert)})")
     x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
+    live = torch.nonzero((ids >= 0).any(dim=1)).flatten()
+    row_keys = _received_keys(cfg, d, expected, x[live], None if s is None else s[live])
     got: dict[bytes, list[dict[int, float]]] = collections.defaultdict(list)
-    for i in range(x.shape[0]):
-        valid = ids[i] >= 0
-        if not bool(valid.any()):
-            continue
+    for i, key in zip(live.tolist(), row_keys):
         local: dict[int, float] = {}
-        for j in torch.nonzero(valid).flatten().tolist():
+        for j in torch.nonzero(ids[i] >= 0).flatten().tolist():
             e = int(ids[i, j])
             if e in local:
                 problems.append(f"row {i}: local expert {e} appears twice (duplicates must be merged)")
             local[e] = local.get(e, 0.0) + float(w[i, j])
-        got[_row_key(x[i], None if s is None else s[i])].append(local)
+        got[key].append(local)
     if set(got) != set(expected.rows):
         n_got, n_want = sum(map(len, got.values())), sum(map(len, expected.rows.values()))
         extra, missing = len(set(got) - set(expected.rows)), len(set(expected.rows) - set(got))
@@ -266,6 +319,59 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
             if len(problems) >= max_report:
                 break
     return problems
+
+
+def _received_keys(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, x: torch.Tensor,
+                   s: Optional[torch.Tensor]) -> list[bytes]:
+    """The oracle's key of each received row ``x [n, W]`` (scales ``s [n, S]``)."""
+    if cfg.quant == "nvfp4":
+        return _nvfp4_keys(expected, x, s, d.x_global_scale)
+    return [_row_key(x[i], None if s is None else s[i]) for i in range(x.shape[0])]
+
+
+def _nvfp4_format_problems(cfg: EPConfig, d: Dispatched, expected: ExpectedRank) -> list[str]:
+    """What an NVFP4 ``Dispatched`` must be before its rows can be read: uint8 ``[..., hidden // 2]``
+    rows, float8_e4m3fn ``[..., hidden // 16]`` linear block scales, the inputs' global scale."""
+    problems = []
+    if d.x.dtype != torch.uint8 or d.x.shape[-1] != cfg.hidden // 2:
+        problems.append(f"nvfp4: x is {d.x.dtype} {tuple(d.x.shape)}, expected uint8 [..., {cfg.hidden // 2}]")
+    s = d.x_scales
+    if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != tuple(d.x.shape[:-1]) + (cfg.hidden // 16,):
+        got = None if s is None else f"{s.dtype} {tuple(s.shape)}"
+        problems.append(f"nvfp4: x_scales is {got}, expected {SCALE_DTYPE} {list(d.x.shape[:-1]) + [cfg.hidden // 16]}")
+    gs = d.x_global_scale
+    if gs is None or gs.numel() != 1:
+        problems.append(f"nvfp4: x_global_scale is {None if gs is None else tuple(gs.shape)}, expected one value")
+    elif expected.global_scale is not None and float(gs.reshape(-1)[0]) != expected.global_scale:
+        problems.append(f"nvfp4: x_global_scale {float(gs.reshape(-1)[0])}, expected {expected.global_scale}")
+    return problems
+
+
+_MATCH_CHUNK = 256  # received rows per distance computation (bounds its [chunk, candidates] memory)
+
+
+def _nvfp4_keys(expected: ExpectedRank, x: torch.Tensor, s: Optional[torch.Tensor],
+                global_scale: Optional[torch.Tensor]) -> list[bytes]:
+    """Each received NVFP4 row's source key: the nearest source row (L2), accepted only if every
+    element of the dequantised row lies within ``nvfp4_tolerance`` of it; else a key of its own, which
+    the comparison reports as unexpected."""
+    n = x.shape[0]
+    keys = list(expected.originals)
+    unmatched = [b"\0unmatched %d" % i for i in range(n)]
+    if not n or not keys or s is None or global_scale is None:
+        return unmatched
+    gs = global_scale.detach().cpu()
+    got = dequantize_nvfp4(x, s, gs)
+    originals = torch.stack([expected.originals[k] for k in keys])
+    tolerance = nvfp4_tolerance(originals, gs)
+    out = []
+    for lo in range(0, n, _MATCH_CHUNK):
+        chunk = got[lo: lo + _MATCH_CHUNK]
+        nearest = torch.cdist(torch.nan_to_num(chunk, nan=1e30), originals).argmin(dim=1)
+        ok = ((chunk - originals[nearest]).abs() <= tolerance[nearest]).all(dim=1)
+        out += [keys[j] if good else unmatched[lo + i]
+                for i, (j, good) in enumerate(zip(nearest.tolist(), ok.tolist()))]
+    return out
 
 
 def _same_routes(a: list, b: list) -> bool:

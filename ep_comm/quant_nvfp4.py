@@ -17,8 +17,8 @@ approximate reciprocals, no fused multiply-add across steps), for ``x [T, H]`` w
 
 Dequantised: ``x̂ = (e2m1(code) * sf_b) / gs``; the product is exact in float32, so ``x̂`` is the
 correctly rounded value the code stands for.  Within range (``amax_b * gs <= 2688``) every element is
-within one e2m1 step of the block, ``|x̂ - x| <= amax_b / 6`` up to the block scale's own rounding
-(``nvfp4_tolerance`` allows one e4m3 step of it).  Blocks flush to zero when ``s_b < 2**-10``: with the
+within half of e2m1's widest gap of it, ``|x̂ - x| <= amax_b / 6`` up to the block scale's own
+rounding (``nvfp4_tolerance`` allows either e4m3 neighbour).  Blocks flush to zero when ``s_b < 2**-10``: with the
 computed global scale, blocks more than about 4.6e5 times smaller than the tensor's amax.
 
 NaN and inf are not checked for (that would cost a device-to-host sync per call); they follow the
@@ -146,12 +146,14 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: G
 def nvfp4_tolerance(x: torch.Tensor, global_scale: GlobalScale) -> torch.Tensor:
     """float32 ``[..., H]``: how far a dequantised element may lie from the original ``x [..., H]``.
 
-    ``amax_b * (1 + 2**-3) / 6 + 6 * 2**-9 / gs`` per block: one e2m1 step at the block's scale
-    (e2m1's widest gap, 4 to 6, is a third of its range; half of it is ``amax_b / 6``), with the block
-    scale itself allowed one e4m3 step off its nearest value (2**-3 relative, or 2**-9 absolute in
-    e4m3's subnormal range, which also covers blocks flushed to zero).  A quantiser that picks either
-    neighbour of a value on the e2m1 grid stays within it; holds for blocks in range
-    (``amax_b * gs <= 2688``), plus float32 rounding of the dequantised value (``2**-20 * |x|``).
+    ``amax_b * (1 + 2**-3) / 6 + 6 * 2**-9 / gs`` per block: half of e2m1's widest gap (4 to 6, a third
+    of its range) at the block's scale, which is ``amax_b / 6``, with the block scale allowed to be
+    either e4m3 value around ``amax_b * gs / 6`` (within 2**-3 relative, or 2**-9 absolute in e4m3's
+    subnormal range, which also covers blocks flushed to zero).  So a quantiser whose float arithmetic
+    differs from the reference (the other scale neighbour, ties within float32 noise rounded the other
+    way) stays within it; a value rounded to a non-adjacent code or a scale two steps off does not.
+    Holds for blocks in range (``amax_b * gs <= 2688``), plus float32 rounding of the dequantised value
+    (``2**-20 * |x|``).
     """
     xf = x.float()
     gs = _as_global_scale(global_scale, xf)

@@ -32,6 +32,24 @@ def _tensor(name: str, t, device: torch.device, ndim: int) -> None:
         raise EPInputError(f"{name} is on {t.device} but this communicator runs on {device}")
 
 
+def _global_scale(x_scales, device: torch.device) -> None:
+    """quant="nvfp4": ``x_scales`` is the global scale, a float32 tensor of one element on the device
+    (its value is not read: that would cost a device-to-host sync)."""
+    if x_scales is None:
+        raise EPInputError("quant='nvfp4' needs the global scale: pass x_scales=<float32 tensor of one element on "
+                           "the device>, the same on every rank (the activation scale the expert GEMM uses; "
+                           "ep_comm.quant_nvfp4.nvfp4_global_scale computes one from a tensor)")
+    if not isinstance(x_scales, torch.Tensor):
+        raise EPInputError(f"x_scales (quant='nvfp4': the global scale) must be a torch.Tensor, got "
+                           f"{type(x_scales).__name__}")
+    if x_scales.numel() != 1 or x_scales.dim() > 1 or x_scales.dtype != torch.float32:
+        raise EPInputError(f"x_scales (quant='nvfp4': the global scale) must be float32 of shape [1] or [], got "
+                           f"{x_scales.dtype} {tuple(x_scales.shape)}")
+    if not _same_device(x_scales.device, device):
+        raise EPInputError(f"x_scales (quant='nvfp4': the global scale) is on {x_scales.device} but this "
+                           f"communicator runs on {device}")
+
+
 def validate_dispatch(
     cfg: EPConfig, device: torch.device, x, topk_ids, topk_weights, x_scales: Optional[torch.Tensor]
 ) -> None:
@@ -49,11 +67,14 @@ def validate_dispatch(
         raise EPInputError(f"topk_ids has dtype {topk_ids.dtype}, expected torch.int32 or torch.int64")
     if topk_weights.dtype != torch.float32:
         raise EPInputError(f"topk_weights has dtype {topk_weights.dtype}, expected torch.float32")
-    if cfg.quant == "fp8":
+    if cfg.quant is not None:
         if x.dtype not in _QUANTISABLE:
-            raise EPInputError(f"quant='fp8' needs x of bf16/fp16/fp32, got {x.dtype}")
+            raise EPInputError(f"quant={cfg.quant!r} needs x of bf16/fp16/fp32, got {x.dtype}")
         if x.shape[1] != cfg.hidden:
             raise EPInputError(f"x has shape {tuple(x.shape)}, expected [T, hidden={cfg.hidden}]")
+        if cfg.quant == "nvfp4":
+            _global_scale(x_scales, device)
+            return
         if x_scales is not None:
             raise EPInputError("x_scales must be None with quant='fp8' (dispatch computes the scales)")
     elif x.dtype == cfg.dtype:

@@ -40,6 +40,17 @@ def test_fp8_needs_hidden_multiple_of_128():
     assert cfg(hidden=256, quant="fp8").quant == "fp8"
 
 
+def test_nvfp4_needs_hidden_multiple_of_16():
+    with pytest.raises(EPConfigError, match="quant='nvfp4' needs hidden % 16 == 0") as info:
+        cfg(hidden=200, quant="nvfp4")
+    assert info.value.field == "hidden" and info.value.value == 200
+    for dtype in ("bf16", "fp16", "fp32"):
+        c = cfg(hidden=208, quant="nvfp4", dtype=dtype, layout="batched")
+        assert c.quant == "nvfp4" and c.hidden == 208
+    with pytest.raises(EPConfigError, match="quant"):
+        cfg(quant="NVFP4")
+
+
 def test_world_divisibility():
     c = cfg(num_experts=12)
     c.check_world(4)

@@ -61,3 +61,35 @@ def test_combine_checks_run_again_when_the_dispatched_or_out_change():
     with pytest.raises(EPInputError):
         checks.combine(eo, d, torch.empty(6, 32, dtype=torch.bfloat16))  # out rows
     checks.combine(eo, d, None)
+
+
+def test_nvfp4_dispatch_takes_activations_and_the_global_scale_as_x_scales():
+    cfg = EPConfig(num_experts=8, top_k=2, hidden=32, max_tokens_per_rank=16, dtype=torch.bfloat16, quant="nvfp4")
+    checks = InputChecks(cfg, CPU)
+    x, ids, w = _inputs()
+    gs = torch.rand(1) + 0.5
+    checks.dispatch(x, ids, w, gs)
+    checks.dispatch(x.float(), ids, w, gs.reshape(()))  # fp32 activations, a 0-d scale
+    checks.dispatch(x.half(), ids, w, gs)
+    bad = {
+        "needs the global scale": (x, ids, w, None),
+        "must be float32 of shape": (x, ids, w, torch.ones(5, 2)),  # per-token scales are not taken
+        "float32 of shape \\[1\\]": (x, ids, w, gs.double()),
+        "must be a torch.Tensor": (x, ids, w, 2.5),
+        "needs x of bf16/fp16/fp32": (torch.randint(0, 255, (5, 16), dtype=torch.uint8), ids, w, gs),
+        "expected \\[T, hidden=32\\]": (x[:, :16], ids, w, gs),
+    }
+    for message, args in bad.items():
+        with pytest.raises(EPInputError, match=message):
+            checks.dispatch(*args)
+        checks.dispatch(x, ids, w, gs)
+
+
+def test_nvfp4_global_scale_must_live_on_the_communicators_device():
+    cfg = EPConfig(num_experts=8, top_k=2, hidden=32, max_tokens_per_rank=16, quant="nvfp4")
+    meta = torch.device("meta")
+    checks = InputChecks(cfg, meta)
+    x, ids, w = (t.to(meta) for t in _inputs())
+    checks.dispatch(x, ids, w, torch.ones(1, device=meta))
+    with pytest.raises(EPInputError, match="global scale\\) is on cpu"):
+        checks.dispatch(x, ids, w, torch.ones(1))

@@ -21,6 +21,7 @@ from ...distributed.control import OP_COMBINE, OP_DISPATCH
 from ...errors import EPError, EPInputError
 from ...layouts import Dispatched
 from ...quant import quantize_fp8
+from ...quant_nvfp4 import quantize_nvfp4
 from ..base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall, ReceiveHalf
 from .agreement import HostAgreement
 from .error_counts import ErrorCounts
@@ -124,8 +125,11 @@ class CollectiveBackend(Backend):
             ids, weights, merged, header_count = self.invalid_ids.route(call.topk_ids, call.topk_weights,
                                                                         capturing, validate)
             scales: Optional[torch.Tensor]
+            global_scale: Optional[torch.Tensor] = None
             if cfg.quant == "fp8":
                 payload, scales = quantize_fp8(call.x)
+            elif cfg.quant == "nvfp4":  # x_scales is the caller's global scale (validation.py)
+                payload, scales, global_scale = quantize_nvfp4(call.x, call.x_scales)
             else:
                 payload, scales = call.x.contiguous(), None if call.x_scales is None else call.x_scales.contiguous()
             batch = RoutedBatch(payload, scales, ids, weights, call.epoch, None, merged=merged)
@@ -150,6 +154,7 @@ class CollectiveBackend(Backend):
             raise typed from exc
         if validate:
             self.invalid_ids.raise_if_any(call.topk_ids)
+        out.x_global_scale = global_scale
         return out, None
 
     def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
