@@ -109,7 +109,7 @@ class OneSidedBackend(Backend):
     # -- creation -------------------------------------------------------------------------------------
     @classmethod
     def availability(cls, ctx: BackendContext) -> Availability:
-        why = kernels_unavailable(ctx) or cls.memory.unavailable(ctx)
+        why = quant_unsupported(ctx.cfg.quant) or kernels_unavailable(ctx) or cls.memory.unavailable(ctx)
         return Availability(not why, why)
 
     @classmethod
@@ -344,6 +344,19 @@ class OneSidedBackend(Backend):
         if fatal:
             self._fatal = error
         raise error
+
+
+#: quantisation modes the dispatch kernel fuses; any other is refused before the device is looked at,
+#: so ``backend="auto"`` falls to a backend that has it and a named one says why on every machine
+FUSED_QUANT = (None, "fp8")
+
+
+def quant_unsupported(quant: Optional[str]) -> str:
+    """'' when the one-sided dispatch kernel quantises ``quant`` itself, else why not."""
+    if quant in FUSED_QUANT:
+        return ""
+    return (f"quant={quant!r} is not fused into the one-sided kernels yet (the collective backends ag_rs and "
+            "naive run it)")
 
 
 def kernels_unavailable(ctx: BackendContext) -> str:
