@@ -2,8 +2,11 @@
 scenario of the backend matrix plus rows of very different magnitudes, against the dequantising oracle;
 the received bytes also equal the reference quantiser's (the family quantises with it); the global
 scale comes back as ``x_global_scale``; a rank without the global scale fails the call on every rank
-and the communicator stays usable."""
+and the communicator stays usable.  On GPUs the same on NCCL, one rank per GPU, and captured in a CUDA
+graph (replays with fresh inputs and a new global scale written into the captured one)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -43,7 +46,9 @@ def _inputs(cfg, world: int, seed: int, name: str, spec: dict) -> list[oracle.Ra
 
 
 def _exact_bytes(cfg, d, inputs, rank: int) -> list[str]:
-    """The family quantises with the reference: every received row is byte for byte a reference row."""
+    """The family quantises with the reference (on CPU and CUDA alike): every received row is byte for
+    byte a reference row."""
+    d = _on_cpu(d)
     ref = set()
     for inp in inputs:
         packed, scales, _ = quantize_nvfp4(inp.x, inp.x_scales)
@@ -58,8 +63,14 @@ def _exact_bytes(cfg, d, inputs, rank: int) -> list[str]:
     return [f"{stray} received rows are not the reference quantiser's bytes"] if stray else []
 
 
+def _on_cpu(d):
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return dataclasses.replace(d, x=d.x.cpu(), x_scales=cpu(d.x_scales), topk_ids=cpu(d.topk_ids),
+                               expert_num_tokens=cpu(d.expert_num_tokens))
+
+
 def nvfp4_matrix() -> dict:
-    """Rank body: ``{backend/layout/scenario: problems}``."""
+    """Rank body: ``{backend/layout/dtype/scenario: problems}`` (gloo on CPU, NCCL on GPUs)."""
     topo = ep_comm.init_distributed()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
@@ -79,7 +90,7 @@ def nvfp4_matrix() -> dict:
 
 def _one_call(comm, cfg, world: int, rank: int, seed: int, name: str, spec: dict) -> list[str]:
     inputs = _inputs(cfg, world, seed, name, spec)
-    mine = inputs[rank]
+    mine = inputs[rank].to(comm.device)
     d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales)
     expected = oracle.expected_dispatch(cfg, inputs)[rank]
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, expected)]
@@ -100,7 +111,7 @@ def _refused(comm, cfg, world: int, rank: int) -> list[str]:
     """Rank 0 leaves the global scale out: every rank raises EPInputError (rank 0 naming the global
     scale); the next call goes through on every rank."""
     inputs = oracle.random_inputs(cfg, world, 99)
-    mine = inputs[rank]
+    mine = inputs[rank].to(comm.device)
     problems = []
     try:
         comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, None if rank == 0 else mine.x_scales)
@@ -131,4 +142,78 @@ ALL_CASES = [f"{b}/{lay}/{dt}/{s}" for b in BACKENDS for lay in LAYOUTS for dt i
 def test_nvfp4_matches_the_dequantising_oracle(world, case):
     results = _results(world)
     assert case in results, f"case {case} did not run (ran: {sorted(results)[:4]}...)"
+    assert results[case] == [], "\n".join(results[case])
+
+
+# -- GPUs: NCCL, one rank per GPU -----------------------------------------------------------------------
+def nvfp4_graph() -> dict:
+    """Rank body: dispatch + combine captured once per backend and layout, replayed with fresh inputs."""
+    topo = ep_comm.init_distributed()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    for backend in BACKENDS:
+        for layout in LAYOUTS:
+            cfg = cases.make_cfg(world, backend, layout, "nvfp4")
+            tokens = [cfg.max_tokens_per_rank - r for r in range(world)]  # fixed T per rank, differing
+            problems: list[str] = []
+            with ep_comm.Communicator(cfg) as comm:
+                first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
+                x_s, ids_s, w_s, gs_s = (t.clone() for t in (first.x, first.topk_ids, first.topk_weights,
+                                                              first.x_scales))
+                d = comm.dispatch(x_s, ids_s, w_s, gs_s)  # warm-up outside the capture
+                comm.combine(_graph_experts(cfg, rank, world, d), d)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    d_s = comm.dispatch(x_s, ids_s, w_s, gs_s)
+                    y_s = comm.combine(_graph_experts(cfg, rank, world, d_s), d_s)
+                for rep in range(3):
+                    inputs = oracle.random_inputs(cfg, world, 200 + rep, tokens=tokens, p_minus_one=0.1)
+                    mine = inputs[rank].to(comm.device)
+                    for static, new in ((x_s, mine.x), (ids_s, mine.topk_ids), (w_s, mine.topk_weights),
+                                        (gs_s, mine.x_scales)):
+                        static.copy_(new)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    want = oracle.expected_dispatch(cfg, inputs)[rank]
+                    problems += [f"replay {rep} dispatch: {p}" for p in oracle.compare_dispatch(cfg, d_s, want)]
+                    problems += [f"replay {rep} combine: {p}" for p in
+                                 oracle.compare_combine(cfg, y_s, oracle.expected_combine(cfg, inputs)[rank])]
+                comm.check_errors()
+            results[f"{backend}/{layout}"] = problems
+    return results
+
+
+def _graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
+    """``cases.graph_experts`` on the dequantised rows (no host sync: it runs inside the graph)."""
+    xf = oracle.payload_as_float(cfg, d.x, d.x_scales, d.x_global_scale)
+    return cases.graph_experts(cfg.replace(quant=None, dtype=torch.float32), rank, world,
+                               dataclasses.replace(d, x=xf, x_scales=None)).to(cfg.dtype)
+
+
+_gpu_cache: dict = {}
+
+
+def _gpu_results(name: str, fn) -> dict:
+    if name not in _gpu_cache:
+        _gpu_cache[name] = cases.merge_ranks(raise_on_failure(spawn_local(fn, torch.cuda.device_count(),
+                                                                          timeout_s=900)))
+    return _gpu_cache[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if "/bfloat16/" in c])
+def test_nvfp4_on_nccl_matches_the_dequantising_oracle(case):
+    results = _gpu_results("matrix", nvfp4_matrix)
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", [f"{b}/{lay}" for b in BACKENDS for lay in LAYOUTS])
+def test_nvfp4_cuda_graph_capture_and_replay(case):
+    results = _gpu_results("graph", nvfp4_graph)
+    assert case in results
     assert results[case] == [], "\n".join(results[case])
