@@ -85,8 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default, or 'auto' when $EP_COMM_BACKEND is set)")
     p.add_argument("--layout", choices=("standard", "batched", "both"), default="both", help="(default: both)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
-    p.add_argument("--quant", choices=("none", "fp8"), default="none",
-                   help="fp8: dispatch sends e4m3 + per-128-channel scales (default: none)")
+    p.add_argument("--quant", choices=("none", "fp8", "nvfp4"), default="none",
+                   help="fp8: dispatch sends e4m3 + per-128-channel scales; nvfp4: e2m1 + an e4m3 scale per 16 "
+                        "channels, global scale 448 (collective backends only for now) (default: none)")
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
                    help="EPConfig.validate_ids: off skips the host check (one sync) of expert ids in eager "
                         "dispatch; out-of-range ids then travel as -1 and a later call raises (default: on)")
@@ -152,6 +153,8 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
             return problem
     if args.mode == "graph" and not torch.cuda.is_available():
         return "--mode graph captures CUDA graphs and needs CUDA GPUs; this machine has none (use --mode eager)"
+    if args.quant == "nvfp4" and args.peer:
+        return "--peer times the peer's own dispatch, which has no NVFP4 here: leave out --peer or --quant nvfp4"
     try:
         bench_config(args, max(args.tokens), "standard", "naive")
     except EPConfigError as exc:
@@ -377,12 +380,14 @@ def _sig(value: float, digits: int = 4) -> float:
 
 
 def _bytes_per_token(cfg: EPConfig, op: str) -> Optional[int]:
-    """What one token puts on the wire in ``op``: for dispatch fp8 payload + its scales, or hidden × dtype;
+    """What one token puts on the wire in ``op``: for dispatch fp8/nvfp4 payload + its scales, or hidden × dtype;
     for combine hidden × dtype.  None for a half of a split call: its transfer is not confined to one
     half (the receive half may wait for sends still landing), so bytes ÷ a half's time is no bandwidth."""
     if op == "dispatch":
         if cfg.quant == "fp8":
             return cfg.hidden + (cfg.hidden // FP8_SCALE_BLOCK) * 4
+        if cfg.quant == "nvfp4":  # two e2m1 per byte, one e4m3 scale per 16 channels
+            return cfg.hidden // 2 + cfg.hidden // 16
         return cfg.hidden * cfg.dtype.itemsize
     if op == "combine":
         return cfg.hidden * cfg.dtype.itemsize

@@ -79,7 +79,7 @@ def make_sets(env: RankEnv, args: argparse.Namespace, tokens: int) -> list[RunSe
     inputs: at EP8 × 4096 tokens that was 8× the randn work in every process, on the host.
     """
     dev, e, k = env.device, args.experts, args.topk
-    out = []
+    out, gs = [], (torch.full((1,), 448.0, device=dev) if args.quant == "nvfp4" else None)  # 2688 / 6: randn < 6
     for s in range(args.sets):
         g = torch.Generator(device=dev).manual_seed(_seed(args.seed, tokens, s, env.rank))
         x = torch.randn(tokens, args.hidden, generator=g, device=dev).to(DTYPES[args.dtype])
@@ -91,7 +91,7 @@ def make_sets(env: RankEnv, args: argparse.Namespace, tokens: int) -> list[RunSe
             ids[:, 0] = hot
         w = torch.rand(tokens, k, generator=g, device=dev) + 0.05
         ids = ids.to(torch.int32)
-        out.append(RunSet(oracle.RankInput(x, ids, w), remote_sends(ids, env.rank, env.world_size, e)))
+        out.append(RunSet(oracle.RankInput(x, ids, w, gs), remote_sends(ids, env.rank, env.world_size, e)))
     return out
 
 
@@ -213,7 +213,7 @@ def expert_outputs(cfg: EPConfig, rank: int, world: int, d: Dispatched, padding:
     for e, n in enumerate(present(d.expert_num_tokens, "expert_num_tokens").tolist()):
         if n:
             s = None if d.x_scales is None else d.x_scales[e, :n]
-            xf = oracle.payload_as_float(cfg, d.x[e, :n], s)
+            xf = oracle.payload_as_float(cfg, d.x[e, :n], s, d.x_global_scale)
             out[e, :n] = oracle.test_expert(xf, rank * num_local + e).to(cfg.dtype)
     return out
 
@@ -429,17 +429,17 @@ def time_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list[RunSe
     cache: dict = {}
     with phases("warmup"):
         # eager reference on the same inputs (the eager path is the one the oracle check covered)
-        d = comm.dispatch(x_s, ids_s, w_s)
+        d = comm.dispatch(x_s, ids_s, w_s, first.x_scales)
         y_ref = comm.combine(expert_outputs(cfg, env.rank, env.world_size, d), d).clone()
         for _ in range(args.warmup):
-            d = comm.dispatch(x_s, ids_s, w_s)
+            d = comm.dispatch(x_s, ids_s, w_s, first.x_scales)
             comm.combine(_expert_buffer(cache, cfg, comm, d), d)
     with phases("capture"):
         host_barrier(env)
         g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread may query events of earlier eager work mid-capture
         with torch.cuda.graph(g_dispatch, capture_error_mode="thread_local"):
-            d_s = comm.dispatch(x_s, ids_s, w_s)
+            d_s = comm.dispatch(x_s, ids_s, w_s, first.x_scales)
         eo_s = _expert_buffer(cache, cfg, comm, d_s)
         with torch.cuda.graph(g_combine, capture_error_mode="thread_local"):
             y_s = comm.combine(eo_s, d_s)
@@ -538,10 +538,10 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
     cache: dict = {}
     with phases("warmup"):
         # eager reference on the same inputs, by the hook path (the one the oracle gate checked with hooks)
-        d = hooked_dispatch(comm, x_s, ids_s, w_s)
+        d = hooked_dispatch(comm, x_s, ids_s, w_s, first.x_scales)
         y_ref = hooked_combine(comm, expert_outputs(cfg, env.rank, env.world_size, d), d).clone()
         for _ in range(args.warmup):
-            d = hooked_dispatch(comm, x_s, ids_s, w_s)
+            d = hooked_dispatch(comm, x_s, ids_s, w_s, first.x_scales)
             hooked_combine(comm, _expert_buffer(cache, cfg, comm, d), d)
     with phases("capture"):
         host_barrier(env)
@@ -549,7 +549,7 @@ def time_hooks_graph(env: RankEnv, cfg: EPConfig, comm: Communicator, sets: list
         # thread_local: the NCCL watchdog thread may query events of earlier eager work mid-capture.
         # The hook launches on the stream current when it is called: in its own capture, its own graph.
         with torch.cuda.graph(graphs[0], capture_error_mode="thread_local"):
-            d_s, d_hook = comm.dispatch(x_s, ids_s, w_s, return_recv_hook=True)
+            d_s, d_hook = comm.dispatch(x_s, ids_s, w_s, first.x_scales, return_recv_hook=True)
         with torch.cuda.graph(graphs[1], capture_error_mode="thread_local"):
             d_hook()
         eo_s = _expert_buffer(cache, cfg, comm, d_s)
