@@ -18,8 +18,9 @@ approximate reciprocals, no fused multiply-add across steps), for ``x [T, H]`` w
 Dequantised: ``x̂ = (e2m1(code) * sf_b) / gs``; the product is exact in float32, so ``x̂`` is the
 correctly rounded value the code stands for.  Within range (``amax_b * gs <= 2688``) every element is
 within half of e2m1's widest gap of it, ``|x̂ - x| <= amax_b / 6`` up to the block scale's own
-rounding (``nvfp4_tolerance`` allows either e4m3 neighbour).  Blocks flush to zero when ``s_b < 2**-10``: with the
-computed global scale, blocks more than about 4.6e5 times smaller than the tensor's amax.
+rounding (``nvfp4_tolerance`` allows either e4m3 neighbour).  Blocks flush to zero when
+``s_b <= 2**-10``: with the computed global scale, blocks about 4.6e5 times smaller than the tensor's
+amax.
 
 NaN and inf are not checked for (that would cost a device-to-host sync per call); they follow the
 recipe: a NaN makes its whole block's scale NaN, so the block dequantises to NaN and no other block is
@@ -58,7 +59,9 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     a = x.detach().float().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
     amax = a.amax().clamp_min(AMAX_FLOOR) if a.numel() else torch.full((), AMAX_FLOOR, device=x.device)
-    return (GLOBAL_SCALE_NUMERATOR / amax).reshape(1)
+    # a tensor divided by a tensor: one IEEE division (a number divided by a tensor is a reciprocal
+    # and a multiplication in torch, two roundings)
+    return (torch.full_like(amax, GLOBAL_SCALE_NUMERATOR) / amax).reshape(1)
 
 
 def _as_global_scale(global_scale: Optional[GlobalScale], x: torch.Tensor) -> torch.Tensor:

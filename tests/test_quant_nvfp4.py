@@ -256,3 +256,10 @@ def test_gpu_bit_identical_to_cpu(dtype):
     assert torch.equal(p_gpu.cpu(), p_cpu)
     assert torch.equal(swizzle_nvfp4_scales(s_gpu).cpu().view(torch.uint8),
                        swizzle_nvfp4_scales(s_cpu).view(torch.uint8))
+
+
+def test_blocks_flush_to_zero_at_a_scale_of_two_to_the_minus_ten():
+    x = torch.full((1, 16), 6.0)  # amax * fl32(1/6) rounds to exactly 1, so s = gs
+    _, at, _ = quantize_nvfp4(x, 2.0 ** -10)  # a tie between 0 and e4m3's smallest subnormal: even, 0
+    _, above, _ = quantize_nvfp4(x, 2.0 ** -10 * (1 + 2.0 ** -20))
+    assert float(at[0, 0]) == 0.0 and float(above[0, 0]) == 2.0 ** -9
