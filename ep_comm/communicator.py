@@ -85,7 +85,9 @@ class Communicator:
                None, e.g. packed NVFP4 as uint8 ``[T, hidden // 2]``; bf16/fp16/fp32 for ``quant="fp8"``).
             topk_ids: ``[T, top_k]`` int32/int64 global expert ids; -1 means no expert.
             topk_weights: ``[T, top_k]`` float32.
-            x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``).
+            x_scales: optional ``[T, S]`` carried unchanged (not with ``quant="fp8"``); with
+                ``quant="nvfp4"`` the required float32 ``[1]`` global scale, the same on every rank
+                (docs/design.md §5).
             return_recv_hook: backends with ``capabilities.recv_hooks`` (mnnvl, nvshmem): only issue the
                 sends and return ``(Dispatched, hook)``; the tensors are filled once ``hook()`` has run
                 on the stream (it launches the receive half).  Other work can run in between; the next
