@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import torch
 
+from .errors import EPInputError
+
 
 @dataclasses.dataclass
 class Dispatched:
@@ -42,3 +44,12 @@ class Dispatched:
     @property
     def is_batched(self) -> bool:
         return self.layout == "batched"
+
+    def filled(self, name: str) -> torch.Tensor:
+        """The tensor field ``name`` that this layout always fills (``expert_num_tokens`` batched,
+        ``topk_ids``/``topk_weights`` standard, ``x_scales`` when scales travel); ``EPInputError`` when it
+        is missing (a ``Dispatched`` that no dispatch of this layout made)."""
+        value = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise EPInputError(f"Dispatched.{name} is missing: a {self.layout} dispatch always fills it")
+        return value

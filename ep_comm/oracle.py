@@ -172,14 +172,6 @@ class ExpectedRank:
     global_scale: Optional[float] = None
 
 
-def _filled(t: Optional[torch.Tensor], what: str) -> torch.Tensor:
-    """A ``Dispatched`` field its layout always fills (``expert_num_tokens`` batched, ``topk_ids`` and
-    ``topk_weights`` standard)."""
-    if t is None:
-        raise EPInputError(f"the Dispatched has no {what}, which its layout always fills")
-    return t
-
-
 def _row_key(x_row: torch.Tensor, s_row: Optional[torch.Tensor]) -> bytes:
     key = x_row.contiguous().view(torch.uint8).numpy().tobytes()
     if s_row is not None:
@@ -243,7 +235,7 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
     dev = d.x.device
     if d.layout == "batched":
         out = torch.full((L, d.x.shape[1], cfg.hidden), float("nan") if poison else 0.0, device=dev)
-        counts = _filled(d.expert_num_tokens, "expert_num_tokens").tolist()
+        counts = d.filled("expert_num_tokens").tolist()
         for e in range(L):
             n = counts[e]
             if n:
@@ -252,7 +244,7 @@ def run_experts(cfg: EPConfig, rank: int, world: int, d: Dispatched, expert_fn: 
         return out.to(cfg.dtype)
     xf = payload_as_float(cfg, d.x, d.x_scales, d.x_global_scale)
     out = torch.zeros(d.x.shape[0], cfg.hidden, device=dev)
-    ids, w = _filled(d.topk_ids, "topk_ids"), _filled(d.topk_weights, "topk_weights")
+    ids, w = d.filled("topk_ids"), d.filled("topk_weights")
     for e in torch.unique(ids[ids >= 0]).tolist():
         wt = torch.where(ids == e, w, torch.zeros_like(w)).sum(dim=1, keepdim=True)
         out += wt * expert_fn(xf, rank * L + e)
@@ -273,7 +265,7 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
     if problems:
         return problems
     if d.layout == "batched":
-        counts = _filled(d.expert_num_tokens, "expert_num_tokens").cpu().tolist()
+        counts = d.filled("expert_num_tokens").cpu().tolist()
         x, s = d.x.cpu(), None if d.x_scales is None else d.x_scales.cpu()
         for e, want in enumerate(expected.per_expert):
             n = counts[e]
@@ -288,7 +280,7 @@ def compare_dispatch(cfg: EPConfig, d: Dispatched, expected: ExpectedRank, max_r
                 break
         return problems
 
-    ids, w = _filled(d.topk_ids, "topk_ids").cpu(), _filled(d.topk_weights, "topk_weights").cpu()
+    ids, w = d.filled("topk_ids").cpu(), d.filled("topk_weights").cpu()
     if ids.dtype != torch.int32:
         problems.append(f"topk_ids dtype {ids.dtype}, expected int32")
     if bool((w[ids < 0] != 0).any()):

@@ -11,7 +11,6 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..config import BACKEND_ENV
-from ..errors import EPError
 
 #: --dtype spellings of the CLI (EPConfig accepts more; the CLI keeps to the short names)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -26,14 +25,6 @@ def written_to_input_buffer(comm, x: torch.Tensor) -> torch.Tensor:
     rows = comm.dispatch_input_buffer()[: x.shape[0]]
     rows.copy_(x)
     return rows
-
-
-def present(t: Optional[torch.Tensor], what: str) -> torch.Tensor:
-    """A field of ``Dispatched`` that its layout always fills; a backend that left it out fails the
-    bench's oracle check (``EPError`` is a finding there, not a crash)."""
-    if t is None:
-        raise EPError(f"dispatch returned no {what} for this layout")
-    return t
 
 
 def default_backends(values: Optional[Sequence[str]]) -> list[str]:

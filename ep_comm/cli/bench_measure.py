@@ -26,7 +26,7 @@ from ..communicator import Communicator
 from ..config import EPConfig
 from ..errors import EPError
 from ..layouts import Dispatched
-from . import DTYPES, present, written_to_input_buffer
+from . import DTYPES, written_to_input_buffer
 from .launcher import RankEnv, align_devices, gather_objects, host_barrier
 from .phases import Phases
 
@@ -168,7 +168,7 @@ def live_rows(d: Dispatched) -> tuple[Dispatched, torch.Tensor]:
     Padding rows carry no data the oracle compares, but ``compare_dispatch`` walks every row in
     Python: a ``world × T``-row receive buffer of which most rows are padding would cost seconds.
     """
-    ids, weights = present(d.topk_ids, "topk_ids"), present(d.topk_weights, "topk_weights")
+    ids, weights = d.filled("topk_ids"), d.filled("topk_weights")
     keep = torch.nonzero(torch.ge(ids, 0).any(dim=1)).flatten()
     s = None if d.x_scales is None else d.x_scales[keep]
     return dataclasses.replace(d, x=d.x[keep], x_scales=s, topk_ids=ids[keep], topk_weights=weights[keep]), keep
@@ -179,7 +179,7 @@ def check_dispatch(cfg: EPConfig, d: Dispatched, expected: oracle.ExpectedRank) 
     if d.layout == "batched":
         return oracle.compare_dispatch(cfg, trimmed(d), expected)
     problems = []
-    ids, weights = present(d.topk_ids, "topk_ids"), present(d.topk_weights, "topk_weights")
+    ids, weights = d.filled("topk_ids"), d.filled("topk_weights")
     if bool(torch.ne(weights[torch.lt(ids, 0)], 0).any()):
         problems.append("topk_weights non-zero where topk_ids is -1")
     live, _ = live_rows(d)
@@ -190,7 +190,7 @@ def trimmed(d: Dispatched) -> Dispatched:
     """``d`` with the batched buffers cut to the longest expert (the oracle copies them to the host)."""
     if d.layout != "batched":
         return d
-    counts = present(d.expert_num_tokens, "expert_num_tokens")
+    counts = d.filled("expert_num_tokens")
     longest = int(counts.max()) if counts.numel() else 0
     s = None if d.x_scales is None else d.x_scales[:, :longest]
     return dataclasses.replace(d, x=d.x[:, :longest], x_scales=s)
@@ -210,7 +210,7 @@ def expert_outputs(cfg: EPConfig, rank: int, world: int, d: Dispatched, padding:
             out[keep] = oracle.run_experts(cfg, rank, world, live, poison=False)
         return out
     out = torch.full((num_local, d.x.shape[1], cfg.hidden), padding, dtype=cfg.dtype, device=d.x.device)
-    for e, n in enumerate(present(d.expert_num_tokens, "expert_num_tokens").tolist()):
+    for e, n in enumerate(d.filled("expert_num_tokens").tolist()):
         if n:
             s = None if d.x_scales is None else d.x_scales[e, :n]
             xf = oracle.payload_as_float(cfg, d.x[e, :n], s, d.x_global_scale)

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from .. import oracle
 from ..layouts import Dispatched
 from ..quant import quantize_fp8
-from . import present
 from .bench_measure import (
     CheckCase,
     OracleGate,
@@ -257,7 +256,7 @@ def hide_peer_launch(env: RankEnv, args: argparse.Namespace) -> bool:
 
 def _cut(d: Dispatched) -> Dispatched:
     """Batched ``d`` cut to its longest expert (the oracle copies rows to the host)."""
-    counts = present(d.expert_num_tokens, "expert_num_tokens")
+    counts = d.filled("expert_num_tokens")
     longest = int(counts.max()) if counts.numel() else 0
     return Dispatched("batched", x=d.x[:, :longest], expert_num_tokens=counts, num_tokens=d.num_tokens)
 

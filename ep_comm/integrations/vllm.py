@@ -357,15 +357,15 @@ class _Receiver:
         L = pf.num_local_experts
         x, scales = d.x, d.x_scales
         if plan.dequant:
-            x, scales = dequantize_fp8(x, _present(scales, "x_scales")).to(pf.cfg.dtype), None
+            x, scales = dequantize_fp8(x, d.filled("x_scales")).to(pf.cfg.dtype), None
         if plan.post:
             x, scales = _quantize_with_vllm(x, self.qc, L if d.is_batched else None)
         ids: torch.Tensor | None = None
         weights: torch.Tensor | None = None
         if d.is_batched:
-            counts = _present(d.expert_num_tokens, "expert_num_tokens")
+            counts = d.filled("expert_num_tokens")
         else:
-            raw = _present(d.topk_ids, "topk_ids")
+            raw = d.filled("topk_ids")
             valid = torch.ge(raw, 0)
             counts = torch.zeros(L, dtype=torch.int32, device=raw.device).scatter_add_(
                 0, raw.clamp_min(0).flatten().long(), valid.flatten().to(torch.int32))
@@ -377,13 +377,6 @@ class _Receiver:
             pf._expert_load.add_(counts)
         meta = mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
         return x, scales, meta, ids, weights
-
-
-def _present(t: torch.Tensor | None, what: str) -> torch.Tensor:
-    """A field the layout always fills (the communicator's ``Dispatched`` for this layout)."""
-    if t is None:
-        raise EPInputError(f"the communicator's Dispatched has no {what} for this layout")
-    return t
 
 
 def _expert_ids(raw: torch.Tensor, valid: torch.Tensor, rank: int, world: int, L: int, global_ids: bool
