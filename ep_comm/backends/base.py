@@ -26,6 +26,12 @@ from ..layouts import Dispatched
 ReceiveHalf = Callable[[], None]
 
 
+def capturing_graph(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph: no host round trip, no
+    synchronisation and static sizes until the capture ends."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendContext:
     """Everything a backend may use; built once per communicator."""

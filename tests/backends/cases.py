@@ -503,7 +503,7 @@ def device_headers(backend: str) -> dict:
     from ep_comm.backends.collective.packing import RoutedBatch
     from ep_comm.routing import sanitize_routing
 
-    flow._capturing = lambda device: True
+    flow.capturing_graph = lambda device: True
     topo = ep_comm.init_distributed()
     world, rank = topo.world_size, topo.rank
     out: dict[str, list[str]] = {}

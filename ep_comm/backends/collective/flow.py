@@ -22,7 +22,16 @@ from ...errors import EPError, EPInputError
 from ...layouts import Dispatched
 from ...quant import quantize_fp8
 from ...quant_nvfp4 import quantize_nvfp4
-from ..base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall, ReceiveHalf
+from ..base import (
+    Availability,
+    Backend,
+    BackendContext,
+    Capabilities,
+    CombineCall,
+    DispatchCall,
+    ReceiveHalf,
+    capturing_graph,
+)
 from .agreement import HostAgreement
 from .error_counts import ErrorCounts
 from .invalid_ids import InvalidIds
@@ -109,7 +118,7 @@ class CollectiveBackend(Backend):
             self.invalid_ids.reset()
 
     def dispatch(self, call: DispatchCall, recv_hook: bool) -> tuple[Dispatched, Optional[ReceiveHalf]]:
-        cfg, capturing = self.ctx.cfg, _capturing(self.ctx.device)
+        cfg, capturing = self.ctx.cfg, capturing_graph(self.ctx.device)
         validate = not capturing and cfg.validate_ids
         error = call.error
         if error is None and not capturing and not validate:
@@ -158,7 +167,7 @@ class CollectiveBackend(Backend):
         return out, None
 
     def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
-        capturing = _capturing(self.ctx.device)
+        capturing = capturing_graph(self.ctx.device)
         d, cfg = call.dispatched, self.ctx.cfg
         if call.error is not None:
             if not capturing:
@@ -189,7 +198,7 @@ class CollectiveBackend(Backend):
         """Pack this rank's send buffer (local work only).  ``invalid_ids``: the 0-d device count of ids
         this rank sent as -1, reported to every rank in the header."""
         ctx = self.ctx
-        checks = _capturing(ctx.device)
+        checks = capturing_graph(ctx.device)
         mine = layout_for(batch, self.own_rows(batch, eager))
         send = torch.empty(mine.nbytes, dtype=torch.uint8, device=ctx.device)
         pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None, invalid_ids=invalid_ids)
@@ -218,7 +227,7 @@ class CollectiveBackend(Backend):
         """This rank's float32 partial outputs in the reduction buffer (local work only)."""
         handle: GatherHandle = dispatched.handle
         buf, chunk_rows, partial, header = reduce_buffer(self.ctx, handle.rows, expert_out.shape[-1], dispatched.epoch,
-                                                         _capturing(self.ctx.device))
+                                                         capturing_graph(self.ctx.device))
         combine_partial(expert_out, handle, partial)
         return PreparedCombine(buf, chunk_rows, header)
 
@@ -228,8 +237,3 @@ class CollectiveBackend(Backend):
             mine = check_combine_header(self.counts, self.ctx.world_size, mine, dispatched.epoch)
         out.copy_(mine[: dispatched.num_tokens])
         return out
-
-
-def _capturing(device: torch.device) -> bool:
-    """While capturing a CUDA graph: no host round trip, static sizes, headers checked on the device."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

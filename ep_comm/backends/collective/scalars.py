@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..base import capturing_graph
+
 _CONSTS: dict = {}
 
 
@@ -14,7 +16,7 @@ def const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         c = torch.full((), value, dtype=dtype, device=device)
         # one made while a CUDA graph is captured holds its value only inside replays (and lives in
         # the graph's memory pool): use it for this call, never keep it
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing_graph(device):
             _CONSTS[key] = c
     return c
 

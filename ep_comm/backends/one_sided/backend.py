@@ -30,7 +30,16 @@ from ...errors import EPConfigError, EPError, EPInputError, EPTimeoutError
 from ...layouts import Dispatched
 from ...routing import check_ids
 from .. import extension
-from ..base import Availability, Backend, BackendContext, Capabilities, CombineCall, DispatchCall, ReceiveHalf
+from ..base import (
+    Availability,
+    Backend,
+    BackendContext,
+    Capabilities,
+    CombineCall,
+    DispatchCall,
+    ReceiveHalf,
+    capturing_graph,
+)
 from ..protocol import Limit, Phase
 from .device import Kernels
 from .errors import error_from, last_signalled
@@ -147,7 +156,7 @@ class OneSidedBackend(Backend):
             # nothing in a traced graph orders the reads of the buffer's rows after the op that fills them
             raise EPConfigError("zero_copy", True, "its rows are views of the receive buffer, which a torch.compile "
                                 "graph cannot order after the dispatch; use eager calls or CUDA graphs")
-        host_checks = not compiling and not _capturing(self.ctx.device)
+        host_checks = not compiling and not capturing_graph(self.ctx.device)
         if host_checks:
             # ids an earlier call dropped are raised by the next combine, after its launch: raised
             # here, after this dispatch went out, they would leave the caller without the rows its
@@ -213,7 +222,7 @@ class OneSidedBackend(Backend):
         if compiling and self._expert_rows is not None:
             raise EPConfigError("zero_copy", True, "combine reads the expert outputs in place in the buffer, which a "
                                 "torch.compile graph cannot order; use eager calls or CUDA graphs")
-        host_checks = not compiling and not _capturing(self.ctx.device)
+        host_checks = not compiling and not capturing_graph(self.ctx.device)
         earlier_drops = host_checks and self._before_call()
         if call.error is not None:
             self._abandon(call.error)
@@ -309,7 +318,7 @@ class OneSidedBackend(Backend):
     def _abandon(self, reason: BaseException) -> None:
         """Tell the peers this rank gives up its current call (they raise instead of timing out).  The
         ranks' call sequences cannot be trusted afterwards, so every later call raises."""
-        if _capturing(self.ctx.device) or self._fatal is not None:
+        if capturing_graph(self.ctx.device) or self._fatal is not None:
             return
         self._fatal = _abandoned(self.ctx.rank, reason)
         try:
@@ -388,8 +397,6 @@ def _invalid_ids_error(topk_ids: torch.Tensor, num_experts: int, rank: int) -> E
     return EPInputError(f"rank {rank}: topk_ids outside [-1, num_experts={num_experts})")
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
