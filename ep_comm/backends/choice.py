@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Sequence
 
 from .. import backends as registry
 from ..config import EPConfig
 from ..errors import EPConfigError, EPError, EPTimeoutError, EPTopologyError
 from .base import Backend, BackendContext
 from .one_sided.layout import COMBINE_GROUPED_ENV, COMBINE_PULL_ENV
+
+#: the reason of a backend that a rank did not report (a rank with another ep_comm install)
+UNKNOWN = "unknown on this rank"
 
 # timeout_s, num_sms and validate_ids may differ: each rank's own business
 _SHARED_FIELDS = ("num_experts", "top_k", "hidden", "max_tokens_per_rank", "dtype", "layout", "quant", "zero_copy")
@@ -43,26 +47,42 @@ def _candidates(ctx: BackendContext, requested: str) -> list[str]:
     reports = ctx.control.gather_objects((local, shared_settings(ctx.cfg, requested)))
     check_shared_settings([s for _, s in reports])
     registry.check_environment()  # (the same values on every rank now: every rank raises alike)
-    everyone = [a for a, _ in reports]
-
-    def blocker(name: str) -> str:
-        # one entry per distinct reason: at 72 ranks the same reason must not be repeated 72 times
-        by_reason: dict[str, list[int]] = {}
-        for r, v in enumerate(everyone):
-            if v.get(name, "unknown"):
-                by_reason.setdefault(v.get(name, "unknown"), []).append(r)
-        return "; ".join(f"{rank_list(ranks)}: {why}" for why, ranks in by_reason.items())
-
+    reasons = merge_reasons([a for a, _ in reports])
     if requested != "auto":
-        why = blocker(requested)
+        why = reasons.get(requested, UNKNOWN)
         if why:
-            usable = [n for n in registry.registered() if not blocker(n)]
+            usable = [n for n in registry.registered() if not reasons.get(n, UNKNOWN)]
             raise EPTopologyError(f"backend {requested!r} cannot run on this group ({why}); usable: {usable}")
         return [requested]
-    usable = [name for name in registry.AUTO_ORDER if name in local and not blocker(name)]
+    usable = auto_candidates(reasons)
     if usable:
         return usable
-    raise EPTopologyError("no backend usable on every rank: " + "; ".join(f"{n}: {blocker(n)}" for n in local))
+    raise EPTopologyError("no backend usable on every rank: " + "; ".join(f"{n}: {why}" for n, why in reasons.items()))
+
+
+def merge_reasons(per_rank: Sequence[dict[str, str]]) -> dict[str, str]:
+    """Every rank's ``local_availability`` merged per backend (rank 0's backends): "" when every rank
+    can run it, the reason alone when every rank gave the same one, else each distinct reason once with
+    its ranks (at 72 ranks one reason must not be repeated 72 times)."""
+    out: dict[str, str] = {}
+    for name in per_rank[0]:
+        by_reason: dict[str, list[int]] = {}
+        for r, reasons in enumerate(per_rank):
+            why = reasons.get(name, UNKNOWN)
+            if why:
+                by_reason.setdefault(why, []).append(r)
+        if not by_reason:
+            out[name] = ""
+        elif len(by_reason) == 1 and len(next(iter(by_reason.values()))) == len(per_rank):
+            out[name] = next(iter(by_reason))
+        else:
+            out[name] = "; ".join(f"{rank_list(ranks)}: {why}" for why, ranks in by_reason.items())
+    return out
+
+
+def auto_candidates(reasons: dict[str, str]) -> list[str]:
+    """What ``backend="auto"`` tries, in order: the backends of ``AUTO_ORDER`` every rank can run."""
+    return [name for name in registry.AUTO_ORDER if name in reasons and not reasons[name]]
 
 
 def shared_settings(cfg: EPConfig, requested: str) -> dict:

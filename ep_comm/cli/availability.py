@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..backends import AUTO_ORDER, BackendContext, local_availability
+from ..backends.choice import auto_candidates, merge_reasons
 from ..config import EPConfig
 from ..distributed.control import ControlPlane
 from ..errors import EPConfigError
 from .launcher import RankEnv, gather_objects
-
-#: the reason of a backend that a rank did not report (a rank with another ep_comm install)
-UNKNOWN = "unknown on this rank"
 
 
 def local_reasons(env: RankEnv, cfgs: Sequence[EPConfig], timeout_s: float) -> tuple[list[dict[str, str]], str]:
@@ -38,21 +36,6 @@ def local_reasons(env: RankEnv, cfgs: Sequence[EPConfig], timeout_s: float) -> t
         control.close()
 
 
-def merge_reasons(per_rank: Sequence[dict[str, str]]) -> dict[str, str]:
-    """Every rank's reasons merged per backend: "" when every rank can run it, the reason when every
-    rank gave the same one, else each blocked rank with its own."""
-    out: dict[str, str] = {}
-    for name in per_rank[0]:
-        bad = {r: reasons.get(name, UNKNOWN) for r, reasons in enumerate(per_rank) if reasons.get(name, UNKNOWN)}
-        if not bad:
-            out[name] = ""
-        elif len(bad) == len(per_rank) and len(set(bad.values())) == 1:
-            out[name] = next(iter(bad.values()))
-        else:
-            out[name] = "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items()))
-    return out
-
-
 def agreed_reasons(env: RankEnv, cfgs: Sequence[EPConfig], timeout_s: float) -> list[dict[str, str]]:
     """Per config in ``cfgs``, ``merge_reasons`` over every rank: the same lists on every rank."""
     mine, _ = local_reasons(env, cfgs, timeout_s)
@@ -62,7 +45,7 @@ def agreed_reasons(env: RankEnv, cfgs: Sequence[EPConfig], timeout_s: float) -> 
 
 def auto_pick(reasons: dict[str, str]) -> Optional[str]:
     """What ``backend="auto"`` picks first: the first backend of ``AUTO_ORDER`` every rank can run."""
-    return next((n for n in AUTO_ORDER if n in reasons and not reasons[n]), None)
+    return next(iter(auto_candidates(reasons)), None)
 
 
 def request_blocker(cfg: EPConfig, reasons: dict[str, str]) -> str:

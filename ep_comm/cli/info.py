@@ -21,9 +21,10 @@ import torch
 
 from .. import __version__
 from ..backends import AUTO_ORDER, extension
+from ..backends.choice import merge_reasons
 from ..config import BACKEND_ENV, EPConfig
 from . import format_table
-from .availability import auto_pick, local_reasons, merge_reasons
+from .availability import auto_pick, local_reasons
 from .launcher import RankEnv, agree_exit_code, gather_objects, setup_rank, teardown
 
 #: how the CUDA kernels get built: on a GPU node, from the source checkout (README "Install")

@@ -4,21 +4,12 @@ from __future__ import annotations
 import pytest
 
 from ep_comm.backends import AUTO_ORDER
-from ep_comm.cli.availability import UNKNOWN, auto_pick, merge_reasons, request_blocker
+from ep_comm.cli.availability import auto_pick, request_blocker
 from ep_comm.config import BACKEND_ENV, EPConfig
 
 
 def _cfg(backend: str) -> EPConfig:
     return EPConfig(num_experts=8, top_k=2, hidden=128, max_tokens_per_rank=8, backend=backend)
-
-
-def test_merge_reasons_one_reason_when_every_rank_agrees_else_per_rank():
-    merged = merge_reasons([
-        {"naive": "", "mnnvl": "no GPU", "nvshmem": "no heap"},
-        {"naive": "", "mnnvl": "no GPU", "nvshmem": ""},
-        {"naive": "", "mnnvl": "no GPU"},
-    ])
-    assert merged == {"naive": "", "mnnvl": "no GPU", "nvshmem": f"rank 0: no heap; rank 2: {UNKNOWN}"}
 
 
 def test_request_blocker_by_name_and_auto(monkeypatch):

@@ -141,7 +141,7 @@ def test_mnnvl_on_cpu_says_why_and_auto_falls_back():
     why = "needs CUDA" if extension.built() else "kernels are not built"
     for msg, auto in raise_on_failure(spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120)):
         assert "mnnvl" in msg and why in msg, msg
-        assert msg.count(why) == 1 and "ranks 0-1: " in msg, msg  # one line per reason
+        assert msg.count(why) == 1 and "rank" not in msg.split(why)[0], msg  # shared by every rank: said once
         assert auto == "ag_rs"
 
 

@@ -54,7 +54,7 @@ def test_auto_takes_a_collective_backend_and_a_named_one_says_why():
         for name in ("mnnvl", "nvshmem"):
             msg = res[name]
             assert f"backend {name!r} cannot run" in msg and REASON in msg, msg
-            assert msg.count(REASON) == 1 and "ranks 0-1: " in msg, msg  # one line for both ranks
+            assert msg.count(REASON) == 1 and "rank" not in msg.split(REASON)[0], msg  # said once for both ranks
             assert "'ag_rs'" in msg and "'naive'" in msg, msg  # what would work
 
 
