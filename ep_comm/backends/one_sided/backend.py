@@ -370,9 +370,10 @@ def quant_unsupported(quant: Optional[str]) -> str:
 
 def kernels_unavailable(ctx: BackendContext) -> str:
     """'' when the one-sided kernels can run this config on this rank's device, else why not."""
+    if not extension.built():
+        return extension.unavailable_reason()
     if ctx.device.type != "cuda":
-        why = extension.unavailable_reason() if not extension.built() else ""
-        return why or f"needs CUDA tensors (this communicator runs on {ctx.device.type})"
+        return f"needs CUDA tensors (this communicator runs on {ctx.device.type})"
     why = extension.unavailable_reason()
     if why:
         return why
