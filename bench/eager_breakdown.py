@@ -44,8 +44,8 @@ PIECES_MODULE = {  # module attribute -> label
 
 # methods -> labels: of the collective backends, and of the one-sided backends' kernels (comm._impl.kernels)
 BACKEND_PIECES = {"gather": "dispatch collective", "reduce": "combine collective"}
-KERNEL_PIECES = {"fatal_pending": "error poll", "start_id_check": "id check (queued)",
-                 "id_check_passed": "id check (waits for the check kernel)",
+KERNEL_PIECES = {"fatal_pending": "error poll", "start_verdict": "input verdict (queued)",
+                 "wait_verdict": "input verdict (waits for the verdict kernel)",
                  "dispatch": "op call: dispatch (+ outputs)", "combine": "op call: combine"}
 
 

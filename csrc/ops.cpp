@@ -1,5 +1,5 @@
 // ep_comm._C: torch.library registration of the one-sided ops over mapped buffers (mnnvl_*, in
-// one_sided/ops.h), the eager id check, the collective backends' ops (collective/ops.h) and the
+// one_sided/ops.h), the collective backends' ops (collective/ops.h) and the
 // host-mapped arena.  Ops launch on the current CUDA stream and never synchronise, so they run under
 // CUDA-graph capture; torch.compile traces them through the fake implementations registered by
 // ep_comm/backends/one_sided/ops.py and ep_comm/backends/collective/kernels.py.
@@ -21,16 +21,6 @@
 
 namespace ep_comm {
 namespace {
-
-void check_ids(const at::Tensor& topk_ids, int64_t num_experts, int64_t flag_ptr) {
-  const c10::cuda::CUDAGuard guard(topk_ids.device());
-  at::Tensor ids = topk_ids.contiguous();
-  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ep_comm: ids must be int32/int64");
-  EP_CUDA_CHECK(one_sided::launch_check_ids(ids.data_ptr(), ids.scalar_type() == at::kLong, ids.numel(),
-                                        static_cast<int>(num_experts),
-                                        reinterpret_cast<int32_t*>(static_cast<uintptr_t>(flag_ptr)),
-                                        c10::cuda::getCurrentCUDAStream()));
-}
 
 // One page-locked, device-mapped arena per process for the host-visible error words of every
 // communicator (ep_comm/backends/one_sided/device.py hands out slots).  It is never freed: freeing
@@ -57,7 +47,6 @@ std::tuple<at::Tensor, int64_t> mapped_arena() {
 
 TORCH_LIBRARY(ep_comm, m) {
   EP_KERNEL_OP_SCHEMAS(m, "mnnvl");
-  m.def("check_ids(Tensor topk_ids, int num_experts, int flag_ptr) -> ()");
   m.def("collective_combine_partial(Tensor expert_out, Tensor dest, Tensor weights, Tensor(a!) out) -> ()");
   m.def("collective_select_local(Tensor ids, Tensor weights, int rank, int num_local, int capacity, Tensor(a!) local_ids, "
         "Tensor(b!) local_w, Tensor(c!) row_valid, Tensor(d!) dest, Tensor(e!) counts) -> ()");
@@ -66,7 +55,6 @@ TORCH_LIBRARY(ep_comm, m) {
 
 TORCH_LIBRARY_IMPL(ep_comm, CUDA, m) {
   EP_KERNEL_OP_IMPLS(m, "mnnvl");
-  m.impl("check_ids", &ep_comm::check_ids);
   m.impl("collective_combine_partial", &ep_comm::collective::collective_combine_partial);
   m.impl("collective_select_local", &ep_comm::collective::collective_select_local);
   m.impl("collective_scatter_rows", &ep_comm::collective::collective_scatter_rows);

@@ -1,5 +1,5 @@
 // One-sided dispatch: one launch per call (send, signal, wait, lay out), or two with a receive hook
-// (phases in protocol.h).  Also the abort and id-check kernels.
+// (phases in protocol.h).  Also the abort and input-verdict kernels.
 #include <type_traits>
 
 #include "one_sided/kernel_common.cuh"
@@ -93,10 +93,7 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
   }
   r.leaders = __ballot_sync(kFull, leader);
   r.num_dest = __popc(r.leaders);
-  if (invalid && count_invalid) {
-    err.count(kStatusInvalidIds, 1);
-    if (p.abandon_on_invalid) atomicAdd(p.c.counters + kStateCallInvalid, 1ull);
-  }
+  if (invalid && count_invalid) err.count(kStatusInvalidIds, 1);
   return r;
 }
 
@@ -140,25 +137,41 @@ __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, i
   return __popc(mask);
 }
 
+// The dispatch kernel's kQuant: -1 copies x (and carried x_scales) as they are; otherwise x is
+// quantised on the way out, from the input dtype kQuantIn<kQuant>, to fp8 (kQuant < kDispatchNvfp4) or
+// NVFP4 (one_sided.cuh).
+template <int kQuant>
+constexpr bool kIsNvfp4 = kQuant >= kDispatchNvfp4;
+template <int kQuant>
+constexpr int kQuantIn = kIsNvfp4<kQuant> ? kQuant - kDispatchNvfp4 : kQuant;
+
 // Bytes [lo, hi) of token t's wire payload (quantised from x when kQuant >= 0) to ``nd`` rows whose
-// payload starts at dst[i] and scales at dst_s[i]; the piece with lo == 0 also carries the scales.
+// payload starts at dst[i] and scales at dst_s[i]; a quantised piece carries its own blocks' scales,
+// a copied row's piece with lo == 0 all of its carried scales.
 template <int kQuant>
 __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
                                              uint8_t** dst_s, int nd, int lane) {
-  using QuantIn = typename std::conditional<kQuant == kFp16, __half,
-                  typename std::conditional<kQuant == kFp32, float, __nv_bfloat16>::type>::type;
+  constexpr int kIn = kQuantIn<kQuant>;
+  using QuantIn = typename std::conditional<kIn == kFp16, __half,
+                  typename std::conditional<kIn == kFp32, float, __nv_bfloat16>::type>::type;
   if (nd == 0) return;
+  // payload byte lo is channel lo (fp8) or 2 * lo (NVFP4, two per byte); the host splits rows at
+  // multiples of 256 channels, so scale blocks (128 channels, 16) never straddle pieces
   if (lane < nd) {
     dst[lane] += lo;
-    if (kQuant >= 0) dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
+    if (kIsNvfp4<kQuant>) dst_s[lane] += lo / (kNvfp4Block / 2);
+    else if (kQuant >= 0) dst_s[lane] = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(dst_s[lane]) + lo / 128);
   }
   __syncwarp();
   if (kQuant >= 0) {
-    // lo is a multiple of 256 channels (host side), so 128-channel scale blocks never straddle pieces
-    const QuantIn* src =
-        reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes) + lo;
-    warp_quant_fp8_multi<QuantIn>(src, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
-                                  lane);
+    const QuantIn* row = reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes);
+    if (kIsNvfp4<kQuant>) {
+      warp_quant_nvfp4_multi<QuantIn>(row + 2 * lo, static_cast<int>(2 * (hi - lo)), __ldg(p.global_scale), dst, dst_s,
+                                      nd, lane);
+    } else {
+      warp_quant_fp8_multi<QuantIn>(row + lo, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
+                                    lane);
+    }
   } else {
     const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
     // zero copy with x already in this rank's own rows (Communicator.dispatch_input_buffer): the own
@@ -251,13 +264,16 @@ __device__ __forceinline__ int64_t stage_row_off(const Layout& L, int dest, int 
 
 // put mode: what this warp just wrote into the staging rows of its ``nd`` destinations (``dest_rank``),
 // to the row at ``row_off`` of each: the meta with piece 0, payload bytes [lo, hi) and their scales
-// (fp8: the piece's own 128-channel blocks; carried scales: all of them with piece 0).
+// (fp8 and NVFP4: the piece's own scale blocks; carried scales: all of them with piece 0).
 template <int kQuant>
 __device__ __forceinline__ void put_staged_piece(const DispatchParams& p, int64_t row_off, int t, int chunk,
                                                  int64_t lo, int64_t hi, const int* dest_rank, int nd) {
   const Layout& L = p.c.lay;
   int64_t s_lo = 0, s_hi = 0;
-  if (kQuant >= 0) {
+  if (kIsNvfp4<kQuant>) {  // one scale byte per 8 payload bytes; hi is a multiple of 8 (hidden % 16 == 0)
+    s_lo = lo / (kNvfp4Block / 2);
+    s_hi = hi / (kNvfp4Block / 2);
+  } else if (kQuant >= 0) {
     s_lo = lo / 128 * 4;
     s_hi = (hi + 127) / 128 * 4;
   } else if (chunk == 0) {
@@ -284,6 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const ErrorSink err{p.c.status, L.pending, L.world};
   const auto [seq, code, parity] = current_call(p.c, kOpDispatch, p.phases);
+  // the input verdict queued in front of this launch found bad input on some rank: every rank's launch
+  // skips the call alike (no rows, no signals), so the call numbers stay in step and the next call runs
+  if (p.checked && (p.phases & kPhaseSend) &&
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateVerdict) != 0ull) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    return;
+  }
   // zero copy keeps every call's rows in half 0: the host's views of them must not move between calls
   // (the rows of call n are consumed before the combine of call n, which every peer's call n + 1 waits
   // for; the host refuses a dispatch before the combine of the previous one)
@@ -399,13 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       put_quiet();
       __syncthreads();
     }
-    // every block counted its invalid ids before arriving
-    __shared__ int s_abandon;
-    if (threadIdx.x == 0)
-      s_abandon = p.abandon_on_invalid && atomicExch(p.c.counters + kStateCallInvalid, 0ull) != 0ull;
-    __syncthreads();
-    if (s_abandon) signal_all(p.c, parity, make_code(seq, kOpAbort));
-    else signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+    signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
     stamp(L, kTraceDispatch, kTrSignalled);
   }
   if (!a.ok) return;
@@ -514,13 +531,38 @@ __global__ void abort_kernel(const Common c) {
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
 }
 
+// The input verdict of an eager dispatch with id validation (Phase.CHECKED): this rank's ids are
+// range-checked, its verdict (bit 0: input the host refused, bit 1: ids out of range) goes to every
+// rank's verdict slot, and once every rank's verdict is in, State.VERDICT says whether the dispatch
+// launched behind this kernel runs or is skipped on every rank.  The host waits for this kernel alone,
+// never for the dispatch.  ``advance``: no dispatch follows (this rank's input was refused), so this
+// kernel takes the call number.  One block: the ids of one call are at most max_tokens * top_k.
 template <bool kIds64>
-__global__ void check_ids_kernel(const void* ids, int64_t n, int num_experts, int32_t* flag) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void __launch_bounds__(kThreads, 1) verdict_kernel(const Common c, const void* ids, int64_t n,
+                                                              int own_bad, bool advance) {
+  const uint64_t deadline = global_timer_ns() + c.lay.timeout_ns;
+  const ErrorSink err{c.status, c.lay.pending, c.lay.world};
+  const auto [seq, code, parity] = current_call(c, kOpDispatch, kPhaseBoth);
+  bool bad_ids = false;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const long long v = kIds64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
-    if (v < -1 || v >= num_experts) st_volatile_sys_i32(flag, 1);
+    bad_ids |= v < -1 || v >= c.lay.num_experts;
   }
+  const int verdict = own_bad | (__syncthreads_or(bad_ids) ? 2 : 0);
+  if (threadIdx.x == 0 && (verdict & 2)) err.raise_pending(kPendingIdsCheck);
+  signal_all(c, kVerdictRows + parity, (static_cast<uint64_t>(verdict) << 32) | code);
+  bool skip = false;
+  for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+    const uint64_t v = wait_flag(flag_slot(c, c.lay.rank, kVerdictRows + parity, peer), code, peer, deadline, err);
+    skip |= v == 0 || (v >> 32) != 0;  // a verdict that never came skips the call too (the error says why)
+  }
+  if (__syncthreads_or(skip) && threadIdx.x == 0) {
+    *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateVerdict) = 1ull;
+    err.raise_pending(kPendingVerdict);
+  } else if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateVerdict) = 0ull;
+  }
+  if (advance && threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
 }
 
 }  // namespace
@@ -538,6 +580,9 @@ cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_i
     case kBf16: EP_DISPATCH(kBf16); break;
     case kFp16: EP_DISPATCH(kFp16); break;
     case kFp32: EP_DISPATCH(kFp32); break;
+    case kDispatchNvfp4 + kBf16: EP_DISPATCH(kDispatchNvfp4 + kBf16); break;
+    case kDispatchNvfp4 + kFp16: EP_DISPATCH(kDispatchNvfp4 + kFp16); break;
+    case kDispatchNvfp4 + kFp32: EP_DISPATCH(kDispatchNvfp4 + kFp32); break;
     default: EP_DISPATCH(-1); break;
   }
 #undef EP_DISPATCH
@@ -549,13 +594,10 @@ cudaError_t launch_abort(const Common& c, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num_experts, int32_t* flag,
-                             cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 1024));
-  if (ids_int64) check_ids_kernel<true><<<blocks, threads, 0, stream>>>(ids, n, num_experts, flag);
-  else check_ids_kernel<false><<<blocks, threads, 0, stream>>>(ids, n, num_experts, flag);
+cudaError_t launch_verdict(const Common& c, const void* ids, bool ids_int64, int64_t n, int own_bad, bool advance,
+                           cudaStream_t stream) {
+  if (ids_int64) verdict_kernel<true><<<1, kThreads, 0, stream>>>(c, ids, n, own_bad, advance);
+  else verdict_kernel<false><<<1, kThreads, 0, stream>>>(c, ids, n, own_bad, advance);
   return cudaGetLastError();
 }
 

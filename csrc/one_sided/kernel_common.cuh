@@ -20,8 +20,12 @@ __device__ __forceinline__ uint8_t* peer_ptr(const Common& c, int r) {
   return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.peer_base[r]));
 }
 
-__device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int parity, int src) {
-  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.flags_offset) + parity * c.lay.world + src;
+// The flags region holds rows of [world] words: rows 0 and 1 are the call flags of each parity,
+// rows kVerdictRows + parity the input verdicts (verdict_kernel).  ``row``: which of them.
+constexpr int kVerdictRows = 2;
+
+__device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int row, int src) {
+  return reinterpret_cast<uint64_t*>(peer_ptr(c, owner) + c.lay.flags_offset) + row * c.lay.world + src;
 }
 
 // ---- put mode (one_sided.cuh): the compiler drops all of it outside the NVSHMEM build ----------------------
@@ -78,17 +82,18 @@ __device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sy
     L.trace[(static_cast<int64_t>(op) * gridDim.x + blockIdx.x) * kTraceSlots + slot] = global_timer_ns();
 }
 
-// Signal every peer (and this rank) that this launch's sends are complete.  Called by the last
-// block to arrive; each thread releases its own flag so the NVLink round trips overlap.
-__device__ __forceinline__ void signal_all(const Common& c, int parity, uint64_t value) {
+// Write ``value`` into this rank's slot of flag row ``row`` (see flag_slot) on every peer and this
+// rank: for call flags, that this launch's sends are complete (called by the last block to arrive).
+// Each thread releases its own flag so the NVLink round trips overlap.
+__device__ __forceinline__ void signal_all(const Common& c, int row, uint64_t value) {
   for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
 #ifdef EP_COMM_NVSHMEM
     if (put_mode(c.lay) && peer != c.lay.rank) {  // ordered after this rank's quieted puts
-      nvshmemx_signal_op(flag_slot(c, c.lay.rank, parity, c.lay.rank), value, NVSHMEM_SIGNAL_SET, peer);
+      nvshmemx_signal_op(flag_slot(c, c.lay.rank, row, c.lay.rank), value, NVSHMEM_SIGNAL_SET, peer);
       continue;
     }
 #endif
-    st_release_sys(flag_slot(c, peer, parity, c.lay.rank), value);
+    st_release_sys(flag_slot(c, peer, row, c.lay.rank), value);
   }
 }
 

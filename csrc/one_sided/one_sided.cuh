@@ -74,9 +74,10 @@ struct DispatchParams {
   const void* ids;              // [T, k] int32 or int64
   const float* weights;         // [T, k]
   const void* x_scales;         // [T, scale_row_bytes] or null
+  const float* global_scale;    // NVFP4: the float32 global scale on the device (one value), else null
   int num_tokens;
   int chunks;                   // pieces each token's row is split into on the send side, of
-  int64_t chunk_bytes;          // bytes each (a multiple of 16; of 256 channels with fp8)
+  int64_t chunk_bytes;          // bytes each (a multiple of 16; of 256 channels with fp8 and NVFP4)
   int64_t payload_bytes;        // bytes per row on the wire
   int64_t scale_bytes;
   int64_t capacity;             // rows per expert (batched)
@@ -91,7 +92,7 @@ struct DispatchParams {
   int32_t* counts;              // [L] batched expert_num_tokens, else null
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
-  bool abandon_on_invalid;      // kPhaseAbandonOnInvalid was set (protocol.h)
+  bool checked;                 // kPhaseChecked: an input verdict precedes the launch (protocol.h)
 };
 
 struct CombineParams {
@@ -111,7 +112,9 @@ struct CombineParams {
   void* out;  // [T, hidden] of the transport dtype
 };
 
-// dtype codes: kBf16 / kFp16 / kFp32 (protocol.h); quant_dtype < 0 means no quantisation.
+// quant_dtype: < 0 no quantisation; the input's dtype code kBf16 / kFp16 / kFp32 (protocol.h) for fp8;
+// kDispatchNvfp4 + that code for NVFP4.
+constexpr int kDispatchNvfp4 = 8;
 cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_int64, int num_blocks,
                             cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
@@ -119,8 +122,9 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
 // Tell every peer this rank gives up the current call (its input was invalid), without data.
 cudaError_t launch_abort(const Common& c, cudaStream_t stream);
 // Set *flag (host-mapped) to 1 if any id is outside [-1, num_experts).
-cudaError_t launch_check_ids(const void* ids, bool ids_int64, int64_t n, int num_experts, int32_t* flag,
-                             cudaStream_t stream);
+// The input verdict in front of an eager checked dispatch (dispatch.cu, verdict_kernel).
+cudaError_t launch_verdict(const Common& c, const void* ids, bool ids_int64, int64_t n, int own_bad, bool advance,
+                           cudaStream_t stream);
 
 }  // namespace EP_KERNELS
 }  // namespace ep_comm

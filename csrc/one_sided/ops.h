@@ -48,13 +48,13 @@ struct RowShape {
 };
 
 inline RowShape row_shape(const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const std::vector<int64_t>& cfg) {
-  const bool quant = cfg[kCfgQuantFp8] != 0;
+  const int64_t quant = cfg[kCfgQuant];
   const int64_t hidden = cfg[kCfgHidden];
-  RowShape r{quant ? hidden : x.size(1) * x.element_size(), 0, quant ? hidden : x.size(1), 0,
-             quant ? at::kFloat8_e4m3fn : x.scalar_type(), at::kFloat};
-  if (quant) {
-    r.s_width = hidden / 128;
-    r.scale_bytes = r.s_width * 4;
+  RowShape r{x.size(1) * x.element_size(), 0, x.size(1), 0, x.scalar_type(), at::kFloat};
+  if (quant == kQuantFp8) {  // e4m3 bytes, a float32 scale per 128 channels
+    r = RowShape{hidden, hidden / 128 * 4, hidden, hidden / 128, at::kFloat8_e4m3fn, at::kFloat};
+  } else if (quant == kQuantNvfp4) {  // e2m1 pairs as uint8, an e4m3 scale per 16 channels (x_scales: the global scale)
+    r = RowShape{hidden / 2, hidden / 16, hidden / 2, hidden / 16, at::kByte, at::kFloat8_e4m3fn};
   } else if (x_scales.has_value()) {
     r.s_width = x_scales->size(1);
     r.s_type = x_scales->scalar_type();
@@ -74,7 +74,8 @@ inline void set_dispatch_shape(DispatchParams& p, const RowShape& r, int64_t T, 
   p.num_tokens = static_cast<int>(T);
   // split rows so that every warp of the grid has a piece to send (latency of small batches)
   const int64_t warps = cfg[kCfgNumBlocks] * kWarps;
-  const int64_t unit = cfg[kCfgQuantFp8] != 0 ? 256 : 512;
+  // (quantised rows: pieces of 256 channels, whole scale blocks each; NVFP4 packs them into 128 bytes)
+  const int64_t unit = cfg[kCfgQuant] == kQuantFp8 ? 256 : cfg[kCfgQuant] == kQuantNvfp4 ? 128 : 512;
   int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
   p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
   p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
@@ -99,9 +100,9 @@ inline void set_dispatch_outputs(DispatchParams& p, at::Tensor& out_x, at::Tenso
 }
 
 inline int phases_arg(int64_t phases) {
-  const int64_t halves = phases & ~static_cast<int64_t>(kPhaseAbandonOnInvalid);
+  const int64_t halves = phases & ~static_cast<int64_t>(kPhaseChecked);
   TORCH_CHECK(halves == kPhaseSend || halves == kPhaseBoth,
-              "ep_comm: phases must be send (1) or both (3), plus 4 to abandon the call on invalid ids");
+              "ep_comm: phases must be send (1) or both (3), plus 4 after an input verdict");
   return static_cast<int>(halves);
 }
 
@@ -113,14 +114,23 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   DispatchParams p{};
   p.c = common(state, peer_base, cfg);
   p.phases = phases_arg(phases);
-  p.abandon_on_invalid = (phases & kPhaseAbandonOnInvalid) != 0;
+  p.checked = (phases & kPhaseChecked) != 0;
   const Layout& L = p.c.lay;
   const int64_t T = x.size(0);
   const int64_t k = L.top_k;
   const int64_t N = static_cast<int64_t>(L.world) * L.max_tokens;
   TORCH_CHECK(T <= L.max_tokens && topk_ids.size(0) == T && topk_ids.size(1) == k, "ep_comm: bad dispatch shapes");
   at::Tensor xc = aligned_rows(x), ids = topk_ids.contiguous(), w = topk_weights.contiguous();
-  at::Tensor sc = x_scales.has_value() && cfg[kCfgQuantFp8] == 0 ? aligned(*x_scales) : at::Tensor();
+  const int64_t quant = cfg[kCfgQuant];
+  // carried scales travel with the rows; NVFP4's x_scales is the global scale the kernel quantises with
+  at::Tensor sc = x_scales.has_value() && quant == kQuantNone ? aligned(*x_scales) : at::Tensor();
+  at::Tensor gs;
+  if (quant == kQuantNvfp4) {
+    TORCH_CHECK(x_scales.has_value() && x_scales->numel() == 1 && x_scales->scalar_type() == at::kFloat &&
+                    x_scales->device() == x.device(),
+                "ep_comm: quant='nvfp4' takes the global scale as x_scales: float32, one element, on x's device");
+    gs = x_scales->reshape({1});
+  }
   const RowShape r = row_shape(x, x_scales, cfg);
   set_dispatch_shape(p, r, T, cfg, work);
   const auto opts = x.options();
@@ -146,9 +156,12 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   p.ids = ids.data_ptr();
   p.weights = w.data_ptr<float>();
   p.x_scales = sc.defined() ? sc.data_ptr() : nullptr;
+  p.global_scale = gs.defined() ? gs.data_ptr<float>() : nullptr;
   set_dispatch_outputs(p, out_x, out_s, row_ids, row_w, row_slot, counts);
   p.dest = dest.data_ptr<int32_t>();
-  const int quant_dtype = cfg[kCfgQuantFp8] != 0 ? dtype_code(x.scalar_type()) : -1;
+  const int quant_dtype = quant == kQuantFp8     ? dtype_code(x.scalar_type())
+                          : quant == kQuantNvfp4 ? kDispatchNvfp4 + dtype_code(x.scalar_type())
+                                                 : -1;
   EP_CUDA_CHECK(launch_dispatch(p, quant_dtype, ids.scalar_type() == at::kLong,
                                        static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
   return DispatchOut{out_x, out_s, row_ids, row_w, row_slot, counts, dest};
@@ -215,6 +228,20 @@ inline void kernel_abort(at::Tensor& state, const at::Tensor& peer_base, std::ve
   EP_CUDA_CHECK(launch_abort(c, c10::cuda::getCurrentCUDAStream()));
 }
 
+// The input verdict queued in front of a checked dispatch: ``topk_ids`` range-checked (none: this
+// rank's input was refused by the host, ``own_bad`` says so), exchanged with every rank.
+inline void kernel_verdict(const c10::optional<at::Tensor>& topk_ids, int64_t own_bad, bool advance, at::Tensor& state,
+                           const at::Tensor& peer_base, std::vector<int64_t> cfg) {
+  const c10::cuda::CUDAGuard guard(state.device());
+  const Common c = common(state, peer_base, cfg);
+  at::Tensor ids = topk_ids.has_value() ? topk_ids->contiguous() : at::Tensor();
+  TORCH_CHECK(!ids.defined() || ((ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong) && ids.is_cuda()),
+              "ep_comm: topk_ids must be int32 or int64 on the device");
+  const int64_t n = ids.defined() ? ids.numel() : 0;
+  EP_CUDA_CHECK(launch_verdict(c, n ? ids.data_ptr() : nullptr, ids.defined() && ids.scalar_type() == at::kLong, n,
+                               static_cast<int>(own_bad), advance, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace EP_KERNELS
 }  // namespace ep_comm
 
@@ -228,10 +255,13 @@ inline void kernel_abort(at::Tensor& state, const at::Tensor& peer_base, std::ve
   m.def(P "_dispatch_recv(Tensor x, Tensor? x_scales, Tensor(a!) state, Tensor(b!) work, Tensor peer_base, "    \
           "Tensor(c!) out_x, Tensor(d!) out_scales, Tensor(e!) row_ids, Tensor(f!) row_w, Tensor(g!) row_slot, " \
           "Tensor(h!) counts, int[] cfg) -> ()");                                                               \
-  m.def(P "_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()")
+  m.def(P "_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");                                      \
+  m.def(P "_verdict(Tensor? topk_ids, int own_bad, bool advance, Tensor(a!) state, Tensor peer_base, "          \
+          "int[] cfg) -> ()")
 
 #define EP_KERNEL_OP_IMPLS(m, P)                                      \
   m.impl(P "_dispatch", &ep_comm::EP_KERNELS::kernel_dispatch);       \
   m.impl(P "_combine", &ep_comm::EP_KERNELS::kernel_combine);         \
   m.impl(P "_dispatch_recv", &ep_comm::EP_KERNELS::kernel_dispatch_recv); \
-  m.impl(P "_abort", &ep_comm::EP_KERNELS::kernel_abort)
+  m.impl(P "_abort", &ep_comm::EP_KERNELS::kernel_abort);             \
+  m.impl(P "_verdict", &ep_comm::EP_KERNELS::kernel_verdict)

@@ -29,9 +29,8 @@ class State(enum.IntEnum):
 
     SEQ = 0  # this communicator's kernel call number, advanced on the device (graph replays too)
     ARRIVE = 1  # grid-wide arrival counter
-    ZEROED = 2
-    CALL_INVALID = 3  # out-of-range ids seen by the current dispatch launch (Phase.ABANDON_ON_INVALID)
-    COUNTERS = 4  # number of counters: the int32 error record starts here
+    VERDICT = 2  # the last input verdict: nonzero when some rank's input was bad (Phase.CHECKED skips)
+    COUNTERS = 3  # number of counters: the int32 error record starts here
 
 
 @enum.unique
@@ -62,8 +61,9 @@ class Pending(enum.IntEnum):
     """Host-mapped int32 words per communicator: the device sets them, the host reads them without a sync."""
 
     FATAL = 0  # the error record holds a problem that ends the call sequence
-    IDS_CHECK = 1  # the eager id check found an out-of-range id
-    RECOVERABLE = 2  # ids were dropped (validation off): raised after the next launch
+    IDS_CHECK = 1  # the input verdict found an out-of-range id in this rank's topk_ids
+    RECOVERABLE = 2  # ids were dropped (validation off) or a peer abandoned a combine: raised after a launch
+    VERDICT = 3  # the input verdict: some rank's input was bad, every rank skips the dispatch
     WORDS = 4
 
 
@@ -93,22 +93,29 @@ class Cfg(enum.IntEnum):
     COMBINE_STRIDE = 19
     TIMEOUT_NS = 20
     PENDING_PTR = 21  # device address of the communicator's Pending words
-    COUNT_INVALID = 22  # 1: count out-of-range ids (host validation off), 0: the host checked them
-    QUANT_FP8 = 23
-    OUT_DTYPE = 24  # DType of EPConfig.dtype (combine's transport and output)
-    THREADS = 25
-    COUNTS_OFFSET0 = 26
-    COUNTS_OFFSET1 = 27
-    TRACE_PTR = 28  # device uint64 [2 ops][num_blocks][Trace.SLOTS] of globaltimer stamps, or 0 (off)
-    GROUP_FLAGS_OFFSET = 29  # [2][world][max_groups] u64: per group of GROUP_TOKENS tokens (combine)
-    COMBINE_GROUPED = 30  # 0 off, 1 every block sends and sums in turn, n >= 2: blocks [0, n - 1) only send
-    PUT_MODE = 31  # 1: peers reached by NVSHMEM puts/signals from staging rows (NVSHMEM build only)
-    STAGE_OFFSET = 32  # put mode: [world][max_tokens] dispatch rows staged per destination
-    STAGE_COMBINE_OFFSET = 33  # put mode: [world][max_tokens] combine partials staged per owner
-    STAGE_COUNTS_OFFSET = 34  # put mode: [world][num_local] int32 counts staged per destination
-    ZERO_COPY = 35  # 1 (standard layout): output rows are the receive buffer's rows of dispatch half 0
-    COMBINE_PULL_INPUT = 36  # 0: combine pushes partials; else this rank's address of its expert rows
-    LEN = 37
+    QUANT = 22  # Quant: what the dispatch kernel quantises x to
+    OUT_DTYPE = 23  # DType of EPConfig.dtype (combine's transport and output)
+    COUNTS_OFFSET0 = 24
+    COUNTS_OFFSET1 = 25
+    TRACE_PTR = 26  # device uint64 [2 ops][num_blocks][Trace.SLOTS] of globaltimer stamps, or 0 (off)
+    GROUP_FLAGS_OFFSET = 27  # [2][world][max_groups] u64: per group of GROUP_TOKENS tokens (combine)
+    COMBINE_GROUPED = 28  # 0 off, 1 every block sends and sums in turn, n >= 2: blocks [0, n - 1) only send
+    PUT_MODE = 29  # 1: peers reached by NVSHMEM puts/signals from staging rows (NVSHMEM build only)
+    STAGE_OFFSET = 30  # put mode: [world][max_tokens] dispatch rows staged per destination
+    STAGE_COMBINE_OFFSET = 31  # put mode: [world][max_tokens] combine partials staged per owner
+    STAGE_COUNTS_OFFSET = 32  # put mode: [world][num_local] int32 counts staged per destination
+    ZERO_COPY = 33  # 1 (standard layout): output rows are the receive buffer's rows of dispatch half 0
+    COMBINE_PULL_INPUT = 34  # 0: combine pushes partials; else this rank's address of its expert rows
+    LEN = 35
+
+
+@enum.unique
+class Quant(enum.IntEnum):
+    """What the dispatch kernel quantises x to (``EPConfig.quant``)."""
+
+    NONE = 0
+    FP8 = 1  # e4m3, one float32 scale per 128 channels
+    NVFP4 = 2  # e2m1 pairs, one e4m3 scale per 16 channels, a float32 global scale per call
 
 
 @enum.unique
@@ -121,9 +128,9 @@ class Phase(enum.IntEnum):
     SEND = 1
     RECEIVE = 2
     BOTH = 3
-    # added to a dispatch's send or both phases when the host checks the ids after the launch: a
-    # launch that meets an out-of-range id signals every peer an abort instead of its rows
-    ABANDON_ON_INVALID = 4
+    # added to a dispatch's send or both phases when an input verdict (eager calls with validate_ids)
+    # was queued in front of it: when any rank's verdict was bad, every rank's launch skips the call
+    CHECKED = 4
 
 
 @enum.unique
@@ -171,8 +178,8 @@ class Limit:
 # enum -> C++ prefix of its names (Cfg.ROW_STRIDE -> kCfgRowStride) and the underlying type
 _CPP: tuple[tuple[type, str, str], ...] = (
     (Op, "kOp", "uint32_t"), (State, "kState", "int"), (Status, "kStatus", "int"), (Reason, "kReason", "int"),
-    (Pending, "kPending", "int"), (Cfg, "kCfg", "int"), (Phase, "kPhase", "int"), (Trace, "kTrace", "int"),
-    (Stamp, "kTr", "int"), (DType, "k", "int"), (Limit, "k", "int"))
+    (Pending, "kPending", "int"), (Cfg, "kCfg", "int"), (Quant, "kQuant", "int"), (Phase, "kPhase", "int"),
+    (Trace, "kTrace", "int"), (Stamp, "kTr", "int"), (DType, "k", "int"), (Limit, "k", "int"))
 
 
 def _members(cls: type) -> list[tuple[str, int]]:

@@ -11,12 +11,17 @@ stay in step; waits are bounded by ``timeout_s`` and end in an error record, nev
 The host's part of a call, which makes no round trip to the peers:
   * before launching, a problem the device recorded in an earlier call is raised (synchronising only
     when the host-mapped word says there is one): the ranks are out of step, so nothing is launched;
-  * input this rank cannot send (the communicator's checks, a zero-copy dispatch before the combine
-    of the previous one) is abandoned with an abort signal, so the peers raise instead of timing out;
-  * eager calls with ``validate_ids`` queue an id check in front of the dispatch and read its answer
-    after the launch: a bad id makes the kernel itself signal the abort, and this rank raises;
-  * ids dropped with validation off are raised once the next call has been launched, so the ranks
-    stay in step.
+  * eager dispatches with ``validate_ids`` queue an input verdict in front of the kernel: every
+    rank's ids are range-checked and the verdicts exchanged on the device, the host waits for that
+    small kernel only (after launching the dispatch), and when any rank's input was bad (ids out of
+    range, or input its host refused) every rank's dispatch kernel skips the call and every rank
+    raises in this call; the call numbers stay in step and the communicator stays usable;
+  * input a rank cannot send without a verdict (validation off, graph capture) is abandoned with an
+    abort signal, so the peers raise instead of timing out; a dispatch abandoned that way ends the
+    communicator (the peers' hosts are already on the way to a combine this rank will not make),
+    an abandoned combine does not (the peers raise it after their next combine's launch);
+  * ids dropped with validation off are raised once the next combine has been launched, so the
+    ranks stay in step.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from ..base import (
     ReceiveHalf,
     capturing_graph,
 )
-from ..protocol import Limit, Phase
+from ..protocol import Limit, Phase, describe_code
 from .device import Kernels
 from .errors import error_from, last_signalled
 from .layout import NUM_SMS_ENV, BufferLayout, backend_layout, default_num_blocks
@@ -162,21 +167,30 @@ class OneSidedBackend(Backend):
             # here, after this dispatch went out, they would leave the caller without the rows its
             # peers combine next
             self._before_call()
+        cfg = self.ctx.cfg
+        # eager calls with id validation run an input verdict in front of the dispatch: every rank
+        # learns in this call whether any rank's input was bad, and every rank's kernel skips it alike
+        checked = host_checks and cfg.validate_ids
         error = call.error or self._unsendable(call)
         if error is not None:
-            self._abandon(error)
+            if checked:
+                self.kernels.refuse()
+            else:
+                self._abandon(error)
             raise error
-        cfg = self.ctx.cfg
-        validate = host_checks and cfg.validate_ids
-        if validate:  # answered after the launch: the GPU never waits for the host to decide
-            self.kernels.start_id_check(call.topk_ids)
-        phases = (Phase.SEND if recv_hook else Phase.BOTH) | (Phase.ABANDON_ON_INVALID if validate else 0)
+        if checked:  # answered after the launch: the GPU never waits for the host to decide
+            self.kernels.start_verdict(call.topk_ids)
+        phases = (Phase.SEND if recv_hook else Phase.BOTH) | (Phase.CHECKED if checked else 0)
         x = self._apart_from_buffer(call.x)
         outputs = self.kernels.dispatch(x, call.topk_ids, call.topk_weights, call.x_scales, phases)
-        if validate and not self.kernels.id_check_passed():
-            error = _invalid_ids_error(call.topk_ids, cfg.num_experts, self.ctx.rank)
-            self._fatal = self._fatal or _abandoned(self.ctx.rank, error)  # the kernel told the peers
-            raise error
+        if checked:
+            own_ids_bad, skipped = self.kernels.wait_verdict()
+            if skipped and self.kernels.fatal_pending():
+                self.check_errors()  # a verdict that never came: the peer's timeout or mismatch
+            if own_ids_bad:
+                raise _invalid_ids_error(call.topk_ids, cfg.num_experts, self.ctx.rank)
+            if skipped:
+                raise self._skipped_error()
         # zero copy: the rows handed out now are read until this rank's combine of them (eager calls:
         # a failed capture must not leave a call behind that never ran; replays are the user's order)
         if host_checks and self.zero_copy:
@@ -225,7 +239,9 @@ class OneSidedBackend(Backend):
         host_checks = not compiling and not capturing_graph(self.ctx.device)
         earlier_drops = host_checks and self._before_call()
         if call.error is not None:
-            self._abandon(call.error)
+            # the peers' combine kernels see the abort and go on without this rank's part; every
+            # rank's next call is a dispatch, so the sequence stays in step (they raise it later)
+            self._abandon(call.error, fatal=False)
             raise call.error
         d, cfg = call.dispatched, self.ctx.cfg
         out = call.out
@@ -315,16 +331,29 @@ class OneSidedBackend(Backend):
             self.check_errors()
         return self.kernels.recoverable_pending()
 
-    def _abandon(self, reason: BaseException) -> None:
-        """Tell the peers this rank gives up its current call (they raise instead of timing out).  The
-        ranks' call sequences cannot be trusted afterwards, so every later call raises."""
+    def _abandon(self, reason: BaseException, fatal: bool = True) -> None:
+        """Tell the peers this rank gives up its current call (they raise instead of timing out).  A
+        dispatch abandoned without an input verdict leaves the peers' hosts on the way to a combine
+        that this rank will not make (``fatal``: every later call raises); an abandoned combine does
+        not (every rank's next call is a dispatch)."""
         if capturing_graph(self.ctx.device) or self._fatal is not None:
             return
-        self._fatal = _abandoned(self.ctx.rank, reason)
+        if fatal:
+            self._fatal = _abandoned(self.ctx.rank, reason)
         try:
             self.kernels.abort()
-        except Exception:  # noqa: BLE001 - the caller's error is the one to report
-            pass
+        except Exception as exc:  # noqa: BLE001 - the caller's error is the one to report
+            self._fatal = self._fatal or EPError(f"rank {self.ctx.rank}: the abort signal could not be sent "
+                                                 f"({exc}); create a new Communicator")
+
+    def _skipped_error(self) -> EPInputError:
+        """The error of a dispatch every rank skipped because some rank's input was bad."""
+        code, bad = self.kernels.bad_verdicts()
+        what = {1: "input its host refused", 2: "topk_ids out of range", 3: "input its host refused"}
+        ranks = "; ".join(f"rank {r}: {what.get(bits, 'bad input')}" for r, bits in sorted(bad.items()))
+        return EPInputError(f"rank {self.ctx.rank}: {describe_code(code)} was skipped on every rank because of invalid "
+                            f"input on peer rank(s) {sorted(bad)} ({ranks}; their own error says more); this rank's "
+                            "input was fine and the communicator stays usable")
 
     def _naming_lost_ranks(self, error: EPTimeoutError) -> EPTimeoutError:
         """``error`` with the peers known to be gone as ``lost_ranks``: the kernels only see that no signal

@@ -15,13 +15,14 @@ import torch
 from ...config import EPConfig
 from ...memory import _driver
 from ..base import BackendContext
-from ..protocol import Cfg, Pending, State, Trace
+from ..protocol import Cfg, Pending, State, Trace, latest_code
 from .errors import StatusReport, status_words
 from .layout import BufferLayout, config_vector
-from .ops import KernelOps, MappedWords, check_ids
+from .ops import KernelOps, MappedWords
 
 TRACE_ENV = "EP_COMM_TRACE"  # "1": the kernels stamp their phases (a diagnostic; costs block barriers)
-ID_POLL_S = 2e-3  # how long the host polls for the eager id check before it blocks
+VERDICT_POLL_S = 2e-3  # how long the host polls for the input verdict before it blocks
+VERDICT_ROWS = 2  # flag rows 2 + parity of the flags region hold the input verdicts (kernel_common.cuh)
 
 #: the raw outputs of a dispatch launch: out_x, out_scales, row_ids, row_w, row_slot, counts, dest
 DispatchOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -65,10 +66,8 @@ class Kernels:
         self._mapped = MappedWords()
         self.words = self._mapped.words
         self.cfg = config_vector(cfg, ctx.rank, ctx.world_size, layout, num_blocks, self._mapped.device_ptr)
-        self._num_experts = cfg.num_experts
-        self._ids_checked = torch.cuda.Event()  # recorded after the last queued id check
-        self._ids_check_queued = False
-        self._ids_wait_spin = _spins_for_the_host(dev.index)
+        self._verdict_done = torch.cuda.Event()  # recorded after the last queued input verdict
+        self._verdict_wait_spin = _spins_for_the_host(dev.index)
         # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][Trace.SLOTS] globaltimer ns
         self.trace: Optional[torch.Tensor] = None
         if os.environ.get(TRACE_ENV) == "1":
@@ -101,32 +100,49 @@ class Kernels:
         """Signal every peer that this rank gives up its current call."""
         self.ops.abort(self.state, self.peer_base, self.cfg)
 
-    # -- the eager id check ---------------------------------------------------------------------------
-    def start_id_check(self, topk_ids: torch.Tensor) -> None:
-        """Queue the range check of every id (host-mapped answer) and an event after it: the dispatch
-        is launched behind it and the host waits on the event afterwards, so the GPU never idles
-        while the host decides."""
-        self.words[Pending.IDS_CHECK] = 0
-        self._ids_check_queued = topk_ids.numel() > 0
-        if self._ids_check_queued:
-            check_ids(topk_ids, self._num_experts, self._mapped.device_ptr + 4 * Pending.IDS_CHECK)
-            self._ids_checked.record(torch.cuda.current_stream(self.device))
+    # -- the input verdict (eager calls with validate_ids) ---------------------------------------------
+    def start_verdict(self, topk_ids: torch.Tensor) -> None:
+        """Queue the input verdict in front of a dispatch launched with ``Phase.CHECKED``: this rank's
+        ids range-checked and every rank's verdict exchanged on the device, then an event.  The dispatch
+        is launched behind it and the host waits on the event afterwards (``wait_verdict``), so the GPU
+        never idles while the host decides, and every rank learns in this call whether it runs."""
+        self.words[Pending.IDS_CHECK] = self.words[Pending.VERDICT] = 0
+        self.ops.verdict(topk_ids, 0, False, self.state, self.peer_base, self.cfg)
+        self._verdict_done.record(torch.cuda.current_stream(self.device))
 
-    def id_check_passed(self) -> bool:
-        """One device→host synchronisation: with the check kernel, not with the dispatch behind it."""
-        if self._ids_check_queued:
-            done = False
-            if self._ids_wait_spin:
-                # polled, not cudaEventSynchronize: the host gets back to the stream sooner, and that
-                # is on the eager dispatch's critical path.  Bounded, as query() keeps the GIL: a host
-                # far ahead of its stream then blocks (releasing it) rather than holding other Python
-                # threads off for milliseconds.
-                give_up = time.perf_counter() + ID_POLL_S
-                while not (done := self._ids_checked.query()) and time.perf_counter() < give_up:
-                    pass
-            if not done:
-                self._ids_checked.synchronize()
-        return not bool(self.words[Pending.IDS_CHECK])
+    def refuse(self) -> None:
+        """This rank's dispatch input failed the host's checks: give the peers a bad verdict for this
+        call (their dispatch kernels skip it) and take the call number, launching no dispatch."""
+        self.ops.verdict(None, 1, True, self.state, self.peer_base, self.cfg)
+
+    def wait_verdict(self) -> tuple[bool, bool]:
+        """``(own_ids_bad, skipped)`` of the verdict queued last: one device-to-host synchronisation,
+        with the verdict kernel, not with the dispatch behind it."""
+        done = False
+        if self._verdict_wait_spin:
+            # polled, not cudaEventSynchronize: the host gets back to the stream sooner, and that is on
+            # the eager dispatch's critical path.  Bounded, as query() keeps the GIL: a host far ahead
+            # of its stream then blocks (releasing it) rather than holding other Python threads off.
+            give_up = time.perf_counter() + VERDICT_POLL_S
+            while not (done := self._verdict_done.query()) and time.perf_counter() < give_up:
+                pass
+        if not done:
+            self._verdict_done.synchronize()
+        return bool(self.words[Pending.IDS_CHECK]), bool(self.words[Pending.VERDICT])
+
+    def bad_verdicts(self) -> tuple[int, dict[int, int]]:
+        """After a skipped call: its flag code and the ranks whose verdict was bad, with their verdict
+        bits (1: input the host refused, 2: ids out of range).  Synchronises (the error path only)."""
+        off, world = self.flags_offset, self.world
+        rows = self.local[off: off + 4 * world * 8].view(torch.int64).view(4, world)[VERDICT_ROWS:].tolist()
+        codes = [[v & 0xFFFFFFFF for v in row] for row in rows]
+        code = latest_code(*codes[0], *codes[1])
+        bad = {}
+        for r in range(world):
+            for parity in (0, 1):
+                if codes[parity][r] == code and (rows[parity][r] >> 32):
+                    bad[r] = rows[parity][r] >> 32
+        return code, bad
 
     # -- what the device reported ---------------------------------------------------------------------
     def fatal_pending(self) -> bool:

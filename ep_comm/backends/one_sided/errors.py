@@ -11,7 +11,7 @@ import dataclasses
 from typing import Optional
 
 from ...errors import EPError, EPInputError, EPTimeoutError
-from ..protocol import Reason, Status, describe_code, latest_code
+from ..protocol import Op, Reason, Status, describe_code, latest_code
 
 
 def status_words(world: int) -> int:
@@ -69,6 +69,10 @@ def error_from(report: StatusReport, last: list[int], rank: int, backend: str, t
         return "; ".join(f"rank {r} last signalled {describe_code(last[r])}" for r in ranks)
 
     error: Optional[EPError] = None
+    # a peer that abandoned a combine is back in step with its next call (a dispatch on every rank)
+    abandoned_combine = (report.expected_code & 3) == Op.COMBINE and not (
+        report.local_stall or report.overflow or report.row_format
+        or report.ranks_with(Reason.TIMEOUT | Reason.MISMATCH | Reason.FORMAT))
     if report.local_stall:
         error = EPError(f"rank {rank}: {backend} kernel blocks were not all resident within timeout_s={timeout_s:g} "
                         f"(num_sms={num_sms} too large while other kernels hold the GPU?)")
@@ -76,6 +80,8 @@ def error_from(report: StatusReport, last: list[int], rank: int, backend: str, t
         aborted = report.ranks_with(Reason.ABORT)
         error = EPInputError(f"invalid input on peer rank(s) {aborted}: they abandoned {expected} (their own "
                              f"error says why); this rank's result of that call is incomplete")
+        if abandoned_combine:
+            return error, False
     elif report.ranks_with(Reason.TIMEOUT):
         missing, waiting = behind_and_in_step(report.ranks_with(Reason.TIMEOUT), last, report.expected_code)
         also = (f"; rank(s) {waiting} reached {expected} too but had not finished it when this rank gave up "

@@ -14,7 +14,7 @@ import torch
 
 from ...config import EPConfig
 from ...errors import EPConfigError
-from ..protocol import Cfg, DType, Limit
+from ..protocol import Cfg, DType, Limit, Quant
 
 # prefill-sized combines of the standard layout signal per group of Limit.GROUP_TOKENS tokens, from
 # GROUPED_MIN_TOKENS tokens per rank on: split at world 2 (a third of the blocks only send partials, the
@@ -31,6 +31,7 @@ COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
 PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
 
 DTYPE_CODES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
+QUANT_CODES = {None: Quant.NONE, "fp8": Quant.FP8, "nvfp4": Quant.NVFP4}
 
 
 def _align(n: int, a: int = 16) -> int:
@@ -86,7 +87,8 @@ class BufferLayout:
         row_stride = meta + _align(payload_max) + scale_max
         combine_stride = _align(hidden * cfg.dtype.itemsize)
         pull = _pulls(cfg, put_mode, combine_stride, pull_env)
-        flags = _align(2 * world * 8, 256)
+        # [2 parities][world] call flags, then [2 parities][world] input verdicts (Phase.CHECKED)
+        flags = _align(4 * world * 8, 256)
         max_groups = -(-max_t // Limit.GROUP_TOKENS)
         group_flags = _align(2 * world * max_groups * 8, 256)
         counts = _align(world * (cfg.num_experts // world) * 4, 256)
@@ -201,10 +203,8 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[Cfg.ZERO_COPY] = int(cfg.zero_copy)
     v[Cfg.TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[Cfg.PENDING_PTR] = pending_ptr
-    v[Cfg.COUNT_INVALID] = int(not cfg.validate_ids)
-    v[Cfg.QUANT_FP8] = int(cfg.quant == "fp8")
+    v[Cfg.QUANT] = int(QUANT_CODES[cfg.quant])
     v[Cfg.OUT_DTYPE] = int(DTYPE_CODES[cfg.dtype])
-    v[Cfg.THREADS] = Limit.THREADS
     return v
 
 

@@ -11,7 +11,8 @@ peers' buffers mapped by ``ep_comm.memory``) or ``nvshmem`` (``ep_comm._C_nvshme
                            row_slot!, counts!, cfg) -> ()     the receive half after phases=SEND
     <prefix>_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg, phases=3) -> ()
     <prefix>_abort(state!, peer_base, cfg) -> ()
-    check_ids(topk_ids, num_experts, flag_ptr) -> ()           (ep_comm._C only)
+    <prefix>_verdict(topk_ids?, own_bad, advance, state!, peer_base, cfg) -> ()
+                           the input verdict in front of a dispatch launched with Phase.CHECKED
 
 ``cfg`` is the int vector of ``layout.config_vector`` (slots: ``protocol.Cfg``); ``phases`` a sum
 of ``protocol.Phase`` values.
@@ -28,7 +29,7 @@ import torch
 
 from ...errors import EPError
 from .. import extension
-from ..protocol import Cfg, Pending, Phase
+from ..protocol import Cfg, Pending, Phase, Quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,21 +40,15 @@ class KernelOps:
     dispatch_recv: Callable[..., Any]
     combine: Callable[..., Any]
     abort: Callable[..., Any]
+    verdict: Callable[..., Any]
 
     @classmethod
     def load(cls, prefix: str) -> KernelOps:
         """The ops named ``<prefix>_*``, their fakes registered (the extension must be loaded)."""
         _register_fakes(prefix)
         ops = torch.ops.ep_comm
-        return cls(getattr(ops, f"{prefix}_dispatch"), getattr(ops, f"{prefix}_dispatch_recv"),
-                   getattr(ops, f"{prefix}_combine"), getattr(ops, f"{prefix}_abort"))
-
-
-def check_ids(topk_ids: torch.Tensor, num_experts: int, flag_ptr: int) -> None:
-    """Queue the eager id check: the host-mapped word at ``flag_ptr`` becomes 1 if an id is outside
-    [-1, num_experts)."""
-    _register_check_ids_fake()
-    torch.ops.ep_comm.check_ids(topk_ids, num_experts, flag_ptr)
+        return cls(*(getattr(ops, f"{prefix}_{name}") for name in ("dispatch", "dispatch_recv", "combine", "abort",
+                                                                     "verdict")))
 
 
 class MappedWords:
@@ -100,13 +95,6 @@ def _arena() -> tuple[np.ndarray, int]:
 
 
 @functools.cache
-def _register_check_ids_fake() -> None:
-    @torch.library.register_fake("ep_comm::check_ids")
-    def _check_fake(topk_ids, num_experts, flag_ptr):
-        return None
-
-
-@functools.cache
 def _register_fakes(prefix: str) -> None:
     """Fakes of one provider's ops (one schema for both providers)."""
     lib = f"ep_comm::{prefix}"
@@ -117,13 +105,13 @@ def _register_fakes(prefix: str) -> None:
         world, max_tokens, k = cfg[Cfg.WORLD], cfg[Cfg.MAX_TOKENS], cfg[Cfg.TOP_K]
         local, hidden, batched = cfg[Cfg.NUM_LOCAL], cfg[Cfg.HIDDEN], bool(cfg[Cfg.BATCHED])
         n = world * max_tokens
-        if cfg[Cfg.QUANT_FP8]:
+        if cfg[Cfg.QUANT] == Quant.FP8:
             x_width, x_dtype, s_width, s_dtype = hidden, torch.float8_e4m3fn, hidden // 128, torch.float32
         else:
             x_width, x_dtype = x.shape[1], x.dtype
             s_width = 0 if x_scales is None else x_scales.shape[1]
             s_dtype = torch.float32 if x_scales is None else x_scales.dtype
-        has_scales = bool(cfg[Cfg.QUANT_FP8]) or x_scales is not None
+        has_scales = bool(cfg[Cfg.QUANT] == Quant.FP8) or x_scales is not None
         # zero copy (standard): the rows stay in the receive buffer, the op returns none
         lead = (local, n) if batched else (0 if cfg[Cfg.ZERO_COPY] else n,)
         out_x = x.new_empty((*lead, x_width), dtype=x_dtype)
@@ -147,4 +135,8 @@ def _register_fakes(prefix: str) -> None:
 
     @torch.library.register_fake(lib + "_abort")
     def _abort_fake(state, peer_base, cfg):
+        return None
+
+    @torch.library.register_fake(lib + "_verdict")
+    def _verdict_fake(topk_ids, own_bad, advance, state, peer_base, cfg):
         return None

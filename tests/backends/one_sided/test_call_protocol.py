@@ -1,10 +1,11 @@
 """The one-sided family's host protocol on CPU, against a stand-in for its kernels that records the calls.
 
 The GPU tests (test_mnnvl.py, test_nvshmem.py) check the kernels end to end; here the order of what
-``OneSidedBackend`` asks of its kernels and the errors it raises run in CI: eager id validation queued
-in front of the launch and answered after it, a bad id abandoning the call in the kernel (no separate
-abort), bad shapes abandoning it before the launch, and the receive-hook state machine.  One rank (a
-one-sided backend needs no peer for what is checked here).
+``OneSidedBackend`` asks of its kernels and the errors it raises run in CI: the input verdict queued in
+front of the launch and answered after it, bad input (a bad id, a bad shape, a peer's bad verdict)
+raised in the same call and the communicator usable afterwards, bad input without a verdict abandoning
+the call, and the receive-hook state machine.  One rank (a one-sided backend needs no peer for what is
+checked here; a peer's verdict is what the stand-in reports).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 class RecordingKernels:
     """Stands in for ``device.Kernels``: logs every launch, returns rows of the right shapes, and
-    answers the id check from the ids it was given (as the check kernel does)."""
+    answers the input verdict from the ids it was given (as the verdict kernel does) and from
+    ``peer_bad`` (the peers' verdicts: rank -> bits)."""
 
     num_blocks = 1
 
@@ -34,6 +36,7 @@ class RecordingKernels:
         self.ctx, self.log = ctx, []
         self.zero_copy = ctx.cfg.zero_copy
         self._ids_ok = True
+        self.peer_bad: dict[int, int] = {}
         self.dropped = 0  # ids an earlier launch treated as -1 (validation off), as the kernel counts them
 
     def read_expert_rows_from(self, rows) -> None:
@@ -41,7 +44,7 @@ class RecordingKernels:
 
     def dispatch(self, x, topk_ids, topk_weights, x_scales, phases):
         send_only = phases & 3 == 1
-        self.log.append(f"dispatch{' send' if send_only else ''} abandon_on_invalid={bool(phases & 4)}")
+        self.log.append(f"dispatch{' send' if send_only else ''} checked={bool(phases & 4)}")
         cfg, n = self.ctx.cfg, self.ctx.world_size * self.ctx.cfg.max_tokens_per_rank
         rows = 0 if cfg.zero_copy else n
         return (torch.zeros(rows, cfg.hidden, dtype=x.dtype), torch.empty(0), torch.full((n, cfg.top_k), -1,
@@ -58,14 +61,20 @@ class RecordingKernels:
     def abort(self) -> None:
         self.log.append("abort")
 
-    def start_id_check(self, topk_ids) -> None:
-        self.log.append("start_id_check")
+    def start_verdict(self, topk_ids) -> None:
+        self.log.append("start_verdict")
         e = self.ctx.cfg.num_experts
         self._ids_ok = bool(((topk_ids >= -1) & (topk_ids < e)).all())
 
-    def id_check_passed(self) -> bool:
-        self.log.append("id_check_passed")
-        return self._ids_ok
+    def refuse(self) -> None:
+        self.log.append("refuse")
+
+    def wait_verdict(self) -> tuple[bool, bool]:
+        self.log.append("wait_verdict")
+        return not self._ids_ok, not self._ids_ok or bool(self.peer_bad)
+
+    def bad_verdicts(self) -> tuple[int, dict[int, int]]:
+        return (7 << 2) | 1, dict(self.peer_bad)
 
     def fatal_pending(self) -> bool:
         return False
@@ -145,9 +154,16 @@ def kernel_path_worker() -> dict:
         out["call before the hook"] = _calls(comm, dispatch)
         out["hook"] = _calls(comm, lambda: holder["hook"]())
         out["shape error"] = _calls(comm, lambda: comm.dispatch(x[:2], ids, w))
-    with ep_comm.Communicator(cfg) as comm:
+        out["after the shape error"] = _calls(comm, dispatch)
         out["bad id"] = _calls(comm, lambda: comm.dispatch(x, bad, w))
-        out["after the bad id"] = _calls(comm, lambda: comm.dispatch(x, ids, w))
+        out["after the bad id"] = _calls(comm, dispatch)
+        comm._impl.kernels.peer_bad = {1: 2, 3: 1}
+        out["peer's bad input"] = _calls(comm, dispatch)
+        comm._impl.kernels.peer_bad = {}
+        out["after the peer's bad input"] = _calls(comm, dispatch)
+        n = holder["d"].x.shape[0]
+        out["combine shape error"] = _calls(comm, lambda: comm.combine(torch.zeros(n, 3, dtype=cfg.dtype), holder["d"]))
+        out["after the combine error"] = _calls(comm, dispatch)
     with ep_comm.Communicator(cfg.replace(validate_ids=False)) as comm:
         out["bad id, validation off"] = _calls(comm, lambda: comm.dispatch(x, bad, w))
         comm._impl.kernels.dropped = 1  # what the kernel counted in that launch
@@ -155,6 +171,8 @@ def kernel_path_worker() -> dict:
         n = holder["d"].x.shape[0]
         out["validation off, its combine"] = _calls(
             comm, lambda: comm.combine(torch.zeros(n, cfg.hidden, dtype=cfg.dtype), holder["d"]))
+        out["validation off, shape error"] = _calls(comm, lambda: comm.dispatch(x[:2], ids, w))
+        out["validation off, after the shape error"] = _calls(comm, dispatch)
     zc = cfg.replace(zero_copy=True, validate_ids=False)
     with ep_comm.Communicator(zc) as comm:  # dispatch, combine, dispatch: in step
         d = comm.dispatch(x, ids, w)
@@ -174,34 +192,52 @@ def kernel_path_worker() -> dict:
 
 def test_kernel_path_orders_validation_launch_and_hooks():
     res = raise_on_failure(spawn_local(kernel_path_worker, 1, timeout_s=120, extra_env=lambda r: CPU_ONLY))[0]
-    # the check is queued before the launch and answered after it, so the GPU never waits for the host
-    assert res["clean"] == (["start_id_check", "dispatch abandon_on_invalid=True", "id_check_passed"], "")
+    checked = ["start_verdict", "dispatch checked=True", "wait_verdict"]
+    # the verdict is queued before the launch and answered after it, so the GPU never waits for the host
+    assert res["clean"] == (checked, "")
     assert res["combine"] == (["combine"], "")
-    assert res["hook send"] == (["start_id_check", "dispatch send abandon_on_invalid=True", "id_check_passed"], "")
+    assert res["hook send"] == (["start_verdict", "dispatch send checked=True", "wait_verdict"], "")
     calls, raised = res["call before the hook"]
     assert calls == [] and raised.startswith("EPError") and "receive hook" in raised
     assert res["hook"] == (["dispatch receive"], "")
-    # a bad shape is found before anything is launched: the peers are told by an abort
+    # a bad shape is found before anything is launched: the peers get a bad verdict, no dispatch runs,
+    # and the next call works
     calls, raised = res["shape error"]
-    assert "abort" in calls and not any(c.startswith("dispatch") for c in calls), calls
-    assert raised.startswith("EPInputError"), raised
-    # a bad id: the dispatch kernel itself abandoned the call (no second signal), the error names the token
+    assert calls == ["refuse"] and raised.startswith("EPInputError"), (calls, raised)
+    assert res["after the shape error"] == (checked, "")
+    # a bad id: the verdict says so (every rank's kernel skips the call), the error names the token,
+    # and the communicator stays usable
     calls, raised = res["bad id"]
-    assert calls == ["start_id_check", "dispatch abandon_on_invalid=True", "id_check_passed"], calls
-    assert raised.startswith("EPInputError") and "topk_ids[1, 0] = 99" in raised, raised
-    calls, raised = res["after the bad id"]
-    assert calls == [] and raised.startswith("EPError") and "abandoned" in raised, (calls, raised)
-    # validation off: no check, no abandoning; the kernel counts the id and a later call raises
-    assert res["bad id, validation off"] == (["dispatch abandon_on_invalid=False"], "")
+    assert calls == checked and raised.startswith("EPInputError") and "topk_ids[1, 0] = 99" in raised, raised
+    assert res["after the bad id"] == (checked, "")
+    # a peer's bad input: this rank raises in the same call, naming the peers and what was wrong
+    calls, raised = res["peer's bad input"]
+    assert calls == checked and raised.startswith("EPInputError"), raised
+    assert "dispatch #7" in raised and "[1, 3]" in raised and "rank 1: topk_ids out of range" in raised, raised
+    assert "rank 3: input its host refused" in raised and "stays usable" in raised, raised
+    assert res["after the peer's bad input"] == (checked, "")
+    # a combine's bad input: abandoned with an abort (the peers go on without this rank's part), and
+    # the next call works (every rank's next call is a dispatch)
+    calls, raised = res["combine shape error"]
+    assert calls == ["abort"] and raised.startswith("EPInputError"), (calls, raised)
+    assert res["after the combine error"] == (checked, "")
+    # validation off: no verdict; the kernel counts the id and a later combine raises it
+    assert res["bad id, validation off"] == (["dispatch checked=False"], "")
     # the count is raised by the next combine, after its launch: a dispatch that raised after going out
     # would leave this rank without the rows its peers then combine
-    assert res["validation off, next dispatch"] == (["dispatch abandon_on_invalid=False"], "")
+    assert res["validation off, next dispatch"] == (["dispatch checked=False"], "")
     calls, raised = res["validation off, its combine"]
     assert calls == ["combine"] and raised.startswith("EPInputError") and "treated as -1" in raised, (calls, raised)
+    # validation off, a bad shape: abandoned with an abort; without a verdict the peers' hosts go on to
+    # a combine this rank will not make, so the communicator is unusable from then on
+    calls, raised = res["validation off, shape error"]
+    assert calls == ["abort"] and raised.startswith("EPInputError"), (calls, raised)
+    calls, raised = res["validation off, after the shape error"]
+    assert calls == [] and raised.startswith("EPError") and "abandoned" in raised, (calls, raised)
     # zero copy: a dispatch must follow the combine of the previous one; otherwise it is refused before
     # anything is launched and the peers are told
     assert res["zero copy, combined"] == (["combine"], "")
-    assert res["zero copy, next dispatch"] == (["dispatch abandon_on_invalid=False"], "")
+    assert res["zero copy, next dispatch"] == (["dispatch checked=False"], "")
     calls, raised = res["zero copy, uncombined"]
     assert calls == ["abort"] and raised.startswith("EPError") and "zero_copy: dispatch 0" in raised, (calls, raised)
     calls, raised = res["zero copy, compiling"]

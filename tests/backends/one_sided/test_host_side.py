@@ -128,7 +128,7 @@ def test_ranks_stuck_inside_the_call_are_named_when_none_is_behind():
 
 
 class _CheckEvent:
-    """Stands in for the event after the id check: done after ``pending`` queries."""
+    """Stands in for the event after the input verdict: done after ``pending`` queries."""
 
     def __init__(self, pending: int):
         self.pending, self.queries, self.synchronized = pending, 0, False
@@ -141,22 +141,24 @@ class _CheckEvent:
         self.synchronized = True
 
 
-def test_the_id_check_answer_is_polled_unless_the_process_asked_cuda_to_yield(monkeypatch):
+def test_the_verdict_is_polled_unless_the_process_asked_cuda_to_yield(monkeypatch):
     import numpy as np
 
     def waited(spin: bool) -> tuple:
         k = object.__new__(Kernels)  # the host side only: no device
         k.words = np.zeros(Pending.WORDS, dtype=np.int32)
-        k._ids_check_queued, k._ids_wait_spin, k._ids_checked = True, spin, _CheckEvent(pending=3)
-        assert k.id_check_passed()
-        k.words[Pending.IDS_CHECK] = 1  # the check kernel found an id out of range
-        assert not k.id_check_passed()
-        return k._ids_checked.queries, k._ids_checked.synchronized
+        k._verdict_wait_spin, k._verdict_done = spin, _CheckEvent(pending=3)
+        assert k.wait_verdict() == (False, False)
+        k.words[Pending.IDS_CHECK] = k.words[Pending.VERDICT] = 1  # this rank's ids were out of range
+        assert k.wait_verdict() == (True, True)
+        k.words[Pending.IDS_CHECK] = 0  # a peer's input was bad
+        assert k.wait_verdict() == (False, True)
+        return k._verdict_done.queries, k._verdict_done.synchronized
 
-    assert waited(spin=True) == (5, False)  # 4 polls, then 1 for the second call (done by then)
+    assert waited(spin=True) == (6, False)  # 4 polls, then 1 for each later call (done by then)
     assert waited(spin=False) == (0, True)
-    monkeypatch.setattr(device, "ID_POLL_S", 0.0)  # still pending when the polling time is up: it blocks
-    assert waited(spin=True) == (2, True)
+    monkeypatch.setattr(device, "VERDICT_POLL_S", 0.0)  # still pending when the polling time is up: it blocks
+    assert waited(spin=True) == (3, True)
 
 
 def test_the_host_spins_only_where_cuda_would_spin(monkeypatch):

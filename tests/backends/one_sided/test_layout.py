@@ -66,7 +66,7 @@ def test_combine_grouped_mode_from_the_environment():
 def test_the_table_keeps_its_own_invariants():
     """What the kernels assume of the shared numbers."""
     assert Stamp.SOURCE0 + 2 * Trace.SOURCES <= Stamp.END < Trace.SLOTS
-    assert Phase.ABANDON_ON_INVALID & Phase.BOTH == 0 and Phase.SEND | Phase.RECEIVE == Phase.BOTH
+    assert Phase.CHECKED & Phase.BOTH == 0 and Phase.SEND | Phase.RECEIVE == Phase.BOTH
     assert Status.EXPECTED_CODE < Status.RANK_REASON
     assert all(bin(r).count("1") == 1 for r in Reason)  # bits of one word
     assert Limit.THREADS % 32 == 0 and Limit.ROW_HEADER_BYTES % 16 == 0
@@ -79,7 +79,8 @@ def test_buffer_layout_regions_are_aligned_and_disjoint(world, layout, dtype, ze
     cfg = ep_comm.EPConfig(num_experts=12 * world, top_k=6, hidden=7168, max_tokens_per_rank=37, dtype=dtype,
                            layout=layout, zero_copy=zero_copy)
     lay = lay_mod.BufferLayout.for_config(cfg, world)
-    spans = [(lay.flags_offset, 2 * world * 8), (lay.group_flags_offset, 2 * world * lay.max_groups * 8)]
+    spans = [(lay.flags_offset, 4 * world * 8),  # call flags, then input verdicts
+              (lay.group_flags_offset, 2 * world * lay.max_groups * 8)]
     assert lay.max_groups == -(-37 // Limit.GROUP_TOKENS)
     dispatch = world * 37 * lay.row_stride
     if zero_copy:  # one dispatch region: every call's rows stay in half 0

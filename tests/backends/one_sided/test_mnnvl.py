@@ -472,51 +472,102 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
         assert float(m.split(" after ")[1].split("s:")[0]) < 30, m
 
 
-def late_id_check_worker(backend: str = "mnnvl") -> list[str]:
-    """Eager dispatch with ``validate_ids``: the ids are checked by a kernel queued in front of the
-    dispatch and answered after its launch.  Clean calls stay correct; an out-of-range id on rank 0
-    raises on rank 0 at once (naming the token), and the dispatch kernel tells the peers, whose next
-    call raises instead of timing out."""
+def _expect_error(problems: list[str], what: str, fn, *needles: str) -> None:
+    """``fn()`` must raise an EPInputError whose text holds every needle."""
+    try:
+        fn()
+        problems.append(f"{what}: no error")
+    except ep_comm.EPInputError as exc:
+        missing = [n for n in needles if n not in str(exc)]
+        if missing:
+            problems.append(f"{what}: error lacks {missing}: {exc}")
+    except ep_comm.EPError as exc:
+        problems.append(f"{what}: {type(exc).__name__} instead of EPInputError: {exc}")
+
+
+def bad_input_recovery_worker(backend: str = "mnnvl", layout: str = "batched", zero_copy: bool = False) -> list[str]:
+    """Eager calls with ``validate_ids`` (the input verdict): bad input on one rank (an out-of-range id,
+    a token too many, another hidden size, with and without receive hooks) raises on every rank in the
+    same call, and the next call on the same communicator matches the oracle.  A bad combine input on
+    one rank: that rank raises at once, its peers' ``check_errors`` name it, and the next call matches."""
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, backend, "batched", None, timeout_s=60.0)
+    cfg = cases.make_cfg(world, backend, layout, None, timeout_s=60.0, zero_copy=zero_copy)
     problems: list[str] = []
-    with ep_comm.Communicator(cfg, device=device) as comm:
-        for seed in (31, 32):  # clean calls, twice (both buffer parities)
-            inputs = oracle.random_inputs(cfg, world, seed)
-            mine = inputs[rank].to(comm.device)
-            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
-            y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
-            problems += [f"clean {seed}: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
-        inputs = oracle.random_inputs(cfg, world, 33)
+    seed = iter(range(300, 400))
+
+    def clean(what: str, hooks: bool = False) -> None:
+        inputs = oracle.random_inputs(cfg, world, next(seed))
         mine = inputs[rank].to(comm.device)
-        ids = mine.topk_ids.clone()
-        if rank == 0 and ids.shape[0] > 2:
-            ids[2, 1] = cfg.num_experts + 4
+        if hooks:
+            d, hook = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, return_recv_hook=True)
+            hook()
+        else:
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+        y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+        problems.extend(f"{what}: {p}" for p in
+                        oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank]))
+
+    def faulty(what: str, bad_rank: int, make, own: str, hooks: bool = False) -> None:
+        """A dispatch whose input on ``bad_rank`` is ``make(mine)``; every rank must raise now."""
+        mine = oracle.random_inputs(cfg, world, next(seed))[rank].to(comm.device)
+        x, ids, w = make(mine) if rank == bad_rank else (mine.x, mine.topk_ids, mine.topk_weights)
         t0 = time.monotonic()
-        try:
-            comm.dispatch(mine.x, ids, mine.topk_weights)
-            comm.check_errors()
-            problems.append(f"rank {rank}: no error after rank 0's out-of-range id")
-        except ep_comm.EPInputError as exc:
-            text = str(exc)
-            if rank == 0 and f"topk_ids[2, 1] = {cfg.num_experts + 4}" not in text:
-                problems.append(f"rank 0: error does not name the token: {text}")
-            if rank != 0 and "peer rank(s) [0]" not in text:
-                problems.append(f"rank {rank}: error does not name rank 0: {text}")
+        needles = (own,) if rank == bad_rank else (f"peer rank(s) [{bad_rank}]", "stays usable")
+        _expect_error(problems, what, lambda: comm.dispatch(x, ids, w, return_recv_hook=hooks), *needles)
         if time.monotonic() - t0 > 30:
-            problems.append(f"rank {rank}: the error took {time.monotonic() - t0:.1f}s (timeout_s=60)")
-        try:  # the call sequence is broken: every later call refuses
-            comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
-            problems.append(f"rank {rank}: a call after the abandoned one was accepted")
-        except ep_comm.EPError:
-            pass
+            problems.append(f"{what}: the error took {time.monotonic() - t0:.1f}s (timeout_s=60)")
+        clean(f"after {what}", hooks)
+
+    def bad_id(mine):
+        ids = mine.topk_ids.clone()
+        ids[min(2, ids.shape[0] - 1), 1] = cfg.num_experts + 4
+        return mine.x, ids, mine.topk_weights
+
+    def one_too_many(mine):
+        pad = torch.zeros(cfg.max_tokens_per_rank + 1 - mine.x.shape[0], cfg.hidden, dtype=cfg.dtype,
+                          device=comm.device)
+        ids = torch.full((pad.shape[0], cfg.top_k), -1, dtype=mine.topk_ids.dtype, device=comm.device)
+        w = torch.zeros(pad.shape[0], cfg.top_k, device=comm.device)
+        return torch.cat([mine.x, pad]), torch.cat([mine.topk_ids, ids]), torch.cat([mine.topk_weights, w])
+
+    def other_hidden(mine):
+        return mine.x[:, : cfg.hidden // 2], mine.topk_ids, mine.topk_weights
+
+    last = world - 1
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        clean("clean 1")
+        clean("clean 2")  # both buffer parities
+        faulty("rank 0's out-of-range id", 0, bad_id, f"= {cfg.num_experts + 4}")
+        faulty(f"rank {last}'s token too many", last, one_too_many, "max_tokens_per_rank")
+        faulty("rank 0's hidden size", 0, other_hidden, "hidden")
+        faulty(f"rank {last}'s out-of-range id, receive hooks", last, bad_id, f"= {cfg.num_experts + 4}", hooks=True)
+        # a combine with expert outputs of the wrong width on rank 1 % world
+        bad_rank = 1 % world
+        inputs = oracle.random_inputs(cfg, world, next(seed))
+        mine = inputs[rank].to(comm.device)
+        d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+        eo = cases.graph_experts(cfg, rank, world, d)
+        if rank == bad_rank:
+            _expect_error(problems, "combine of the wrong width", lambda: comm.combine(eo[..., :8], d), "expert_out")
+        else:
+            comm.combine(eo, d)
+            if world > 1:
+                _expect_error(problems, "peer's combine error", comm.check_errors, f"peer rank(s) [{bad_rank}]",
+                              "combine")
+        clean("after the combine error")
+        clean("after the combine error, again")
+        comm.check_errors()
     return problems
 
 
-def test_invalid_ids_checked_after_the_launch_raise_on_every_rank():
-    for rank, problems in enumerate(_spawn(late_id_check_worker, timeout_s=180)):
+def test_bad_input_on_any_rank_is_raised_everywhere_and_the_next_call_works():
+    for rank, problems in enumerate(_spawn(bad_input_recovery_worker, "mnnvl", "batched", timeout_s=240)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_bad_input_recovery_in_the_standard_layout_with_zero_copy():
+    for rank, problems in enumerate(_spawn(bad_input_recovery_worker, "mnnvl", "standard", True, timeout_s=240)):
         assert problems == [], f"rank {rank}: {problems}"
 
 

@@ -17,7 +17,7 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
-from .test_mnnvl import compile_worker, late_id_check_worker, skip_worker
+from .test_mnnvl import bad_input_recovery_worker, compile_worker, skip_worker
 
 
 def _why_skip() -> str:
@@ -280,6 +280,6 @@ def test_torch_compile(case):
     _assert_clean(case, "compile", compile_worker, "nvshmem")
 
 
-def test_invalid_ids_checked_after_the_launch_raise_on_every_rank():
-    for rank, problems in enumerate(_spawn(late_id_check_worker, "nvshmem", timeout_s=180)):
+def test_bad_input_on_any_rank_is_raised_everywhere_and_the_next_call_works():
+    for rank, problems in enumerate(_spawn(bad_input_recovery_worker, "nvshmem", "batched", timeout_s=240)):
         assert problems == [], f"rank {rank}: {problems}"
