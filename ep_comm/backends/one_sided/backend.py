@@ -77,7 +77,9 @@ class MemoryProvider(Protocol):
         """Collective: every rank's buffer of ``nbytes``, reachable from every rank."""
 
     def release(self, ctx: BackendContext, memory: SymmetricMemory, collective: bool) -> None:
-        """Free the buffer; ``collective=False`` after a timeout or a lost peer (nothing may wait on them)."""
+        """Free the buffer.  ``collective=False`` after a lost peer or a failed create: nothing may wait on
+        the peers.  Otherwise a provider whose free is collective first meets the peers, bounded (after a
+        timeout they may all be alive and closing, or not)."""
 
 
 @dataclasses.dataclass
@@ -149,8 +151,11 @@ class OneSidedBackend(Backend):
         return self._capabilities
 
     def close(self) -> None:
+        # after a timeout every peer may still be alive (one skipped a call) and closing too: the
+        # provider meets them, bounded, before anything collective; a peer known to be gone is not met
+        lost = isinstance(self._fatal, EPTimeoutError) and bool(self._fatal.lost_ranks)
         try:
-            self.memory.release(self.ctx, self.buffer, collective=not isinstance(self._fatal, EPTimeoutError))
+            self.memory.release(self.ctx, self.buffer, collective=not lost)
         finally:
             self.kernels.release()
 

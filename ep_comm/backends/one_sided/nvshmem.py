@@ -12,6 +12,7 @@ every rank of a communicator:
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 from typing import cast
@@ -67,16 +68,27 @@ class NvshmemMemory:
         return buf
 
     def release(self, ctx: BackendContext, memory: SymmetricMemory, collective: bool) -> None:
-        """nvshmem_free waits for every rank without a timeout, so the ranks first meet on the control
-        plane (bounded by timeout_s); after a lost peer, a timeout or a failed meeting nothing
-        collective runs and the memory stays allocated."""
-        collective = collective and not peer_loss_seen()
-        if collective:
-            try:
-                ctx.control.barrier()
-            except EPError:
-                collective = False
+        """nvshmem_free waits for every rank without a timeout, so the ranks first meet on the
+        rendezvous store, for up to 2 * timeout_s + 10 s (after a timeout they reach close up to
+        timeout_s apart).  After a lost peer or a failed meeting nothing collective runs and the memory
+        stays allocated (NVSHMEM is then unusable in this process)."""
+        collective = collective and not peer_loss_seen() and _every_rank_releases(ctx, 2 * ctx.cfg.timeout_s + 10)
         cast(nvshmem_heap.NvshmemBuffer, memory).close(collective=collective)
+
+
+def _every_rank_releases(ctx: BackendContext, wait_s: float) -> bool:
+    """Whether every rank of the communicator reached this release within ``wait_s`` (and none is known
+    to be gone).  On the store rather than the control plane's gloo group, whose bound is timeout_s."""
+    control = ctx.control
+    try:
+        if control.lost_peers():
+            return False
+        store = control.store
+        store.set(f"release/{control.rank}", "1")
+        store.wait([f"release/{r}" for r in range(control.size)], datetime.timedelta(seconds=wait_s))
+        return True
+    except Exception:  # noqa: BLE001 - a store that fails us is a peer (or its host) gone: free nothing
+        return False
 
 
 class NvshmemBackend(OneSidedBackend):

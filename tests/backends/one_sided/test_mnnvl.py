@@ -380,6 +380,37 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispat
     return res
 
 
+def recreate_after_timeout_worker(backend: str, cycles: int) -> dict:
+    """``cycles`` times: create a communicator, check one call against the oracle, let the last rank
+    skip a dispatch (its peers time out), close on every rank.  Returns what each cycle raised, the
+    calls that went wrong, and free GPU memory and open fds after the first and the last cycle."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=0.5)
+    res: dict = {"problems": [], "timeouts": 0, "samples": []}
+    t_start = time.monotonic()
+    for cycle in range(cycles):
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            inputs = oracle.random_inputs(cfg, world, 1000 + cycle)
+            mine = inputs[rank].to(comm.device)
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+            res["problems"] += [f"cycle {cycle}: {p}" for p in
+                                oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+            if rank != world - 1:
+                try:
+                    comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+                    comm.check_errors()
+                    res["problems"].append(f"cycle {cycle}: no timeout")
+                except ep_comm.EPTimeoutError:
+                    res["timeouts"] += 1
+        if cycle in (0, cycles - 1):
+            torch.cuda.synchronize()
+            res["samples"].append((torch.cuda.mem_get_info(device)[0], len(os.listdir("/proc/self/fd"))))
+    res["seconds"] = time.monotonic() - t_start
+    return res
+
+
 def pull_disagreement_worker() -> str:
     topo, device = cases.init_rank()
     cases.force_pull(topo.rank != 0)
@@ -415,6 +446,27 @@ def test_rank_that_skips_a_call_is_named_by_a_timeout(skipped):
         assert res["elapsed"] < timeout_s + 5, res
         assert res["later"] == "EPTimeoutError", res  # unusable afterwards, and says why
     assert all(r["close_s"] < 30 for r in results)
+
+
+RECREATE_CYCLES = int(os.environ.get("EP_COMM_TEST_RECREATE_CYCLES", "200"))
+
+
+def check_recreated(results: list, cycles: int) -> None:
+    """What ``recreate_after_timeout_worker`` returned, on every rank: every cycle right, GPU memory
+    and fds flat between the first and the last cycle."""
+    for rank, res in enumerate(results):
+        assert res["problems"] == [], f"rank {rank}: {res['problems'][:5]}"
+        if rank != len(results) - 1:
+            assert res["timeouts"] == cycles, res
+        (free0, fds0), (free1, fds1) = res["samples"]
+        assert free0 - free1 < 64 << 20, f"rank {rank}: {(free0 - free1) >> 20} MiB less free GPU memory"
+        assert fds1 <= fds0, f"rank {rank}: {fds1 - fds0} more open fds after {cycles} cycles"
+
+
+def test_close_and_create_again_after_a_timeout():
+    """Timeout, close, create, correct calls, many times over: memory and fds stay flat."""
+    results = _spawn(recreate_after_timeout_worker, "mnnvl", RECREATE_CYCLES, timeout_s=560)
+    check_recreated(results, RECREATE_CYCLES)
 
 
 def mismatch_worker() -> str:

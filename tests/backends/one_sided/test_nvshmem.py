@@ -17,7 +17,8 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
-from .test_mnnvl import bad_input_recovery_worker, compile_worker, skip_worker
+from .test_mnnvl import (RECREATE_CYCLES, bad_input_recovery_worker, check_recreated, compile_worker,
+                         recreate_after_timeout_worker, skip_worker)
 
 
 def _why_skip() -> str:
@@ -283,3 +284,10 @@ def test_torch_compile(case):
 def test_bad_input_on_any_rank_is_raised_everywhere_and_the_next_call_works():
     for rank, problems in enumerate(_spawn(bad_input_recovery_worker, "nvshmem", "batched", timeout_s=240)):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_close_and_create_again_after_a_timeout():
+    """NVSHMEM too: after a timeout with every process alive, the ranks meet at close and free the heap
+    collectively, so a new communicator starts in the same processes; memory and fds stay flat."""
+    results = _spawn(recreate_after_timeout_worker, "nvshmem", RECREATE_CYCLES, timeout_s=560)
+    check_recreated(results, RECREATE_CYCLES)
