@@ -223,7 +223,10 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   auto sum_group = [&](int g) {
     if (threadIdx.x == 0) {
       bool ok = true;
-      for (int i = 1; i < L.world; ++i) ok = wait_group_flag(p.c, parity, (L.rank + i) % L.world, g, code, deadline, err) && ok;
+      for (int i = 1; i < L.world; ++i) {
+        const int src = (L.rank + i) % L.world;
+        if (peer_active(L, src)) ok = wait_group_flag(p.c, parity, src, g, code, deadline, err) && ok;
+      }
       s_ok = ok;
     }
     __syncthreads();
@@ -237,11 +240,12 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   for (int u = blockIdx.x; !summer && u < send_units; u += split ? senders : gridDim.x) {
     const int src = (L.rank + 1 + u % peers) % L.world;
     const int t0 = (u / peers) * kGroupTokens;
-    const int rows = min(kGroupTokens, L.max_tokens - t0);
+    // a rank that left sent no rows: nothing to return to it
+    const int rows = peer_active(L, src) ? min(kGroupTokens, L.max_tokens - t0) : 0;
     for (int item = warp; item < rows * p.chunks; item += kWarps)
       send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && rows > 0) {
       __threadfence_system();  // the block's partials land before the group's flag
       st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
     }
@@ -283,6 +287,7 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
     bool ok = true;
     for (int i = 1; i < L.world; ++i) {
       const int src = (L.rank + i) % L.world;
+      if (!peer_active(L, src)) continue;
       ok = wait_flag(flag_slot(p.c, L.rank, parity, src), code, src, deadline, err) != 0 && ok;
     }
     s_readable = ok;
@@ -298,7 +303,7 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
   if (!a.last) return;
   for (int peer = threadIdx.x; peer < L.world; peer += blockDim.x)
-    if (peer != L.rank) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
+    if (peer != L.rank && peer_active(L, peer)) st_release_sys(group_flag(p.c, peer, parity, L.rank, 0), code);
   if (p.phases == kPhaseBoth && threadIdx.x == 0)
     *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
   // wait for the "done" of every peer that released this call's "readable" flag by now, i.e. that may
@@ -350,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     // next call's flags could overwrite a slot a slow peer has not read yet
     if (p.num_tokens == 0 && blockIdx.x == 0)
       for (int i = threadIdx.x; i < L.world; i += blockDim.x)
-        if (i != L.rank) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
+        if (i != L.rank && peer_active(L, i)) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
     stamp(L, kTraceCombine, kTrEnd, true);
     return;
   }
@@ -386,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     for (int i = 1; i < L.world; ++i) {
       const int src = (L.rank + i) % L.world;
       const uint64_t* flag = reinterpret_cast<const uint64_t*>(own + L.flags_offset) + parity * L.world + src;
-      wait_flag(flag, code, src, deadline, err);
+      if (peer_active(L, src)) wait_flag(flag, code, src, deadline, err);
     }
   }
   __syncthreads();

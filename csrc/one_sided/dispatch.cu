@@ -40,6 +40,7 @@ Layout layout_from_cfg(const int64_t* cfg) {
   l.stage_combine_offset = cfg[kCfgStageCombineOffset];
   l.stage_counts_offset = cfg[kCfgStageCountsOffset];
   l.zero_copy = static_cast<int>(cfg[kCfgZeroCopy]);
+  l.active = reinterpret_cast<const int32_t*>(static_cast<uintptr_t>(cfg[kCfgActivePtr]));
   return l;
 }
 
@@ -81,8 +82,8 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
     }
   }
   Route r;
-  r.keep = valid && !dup;
-  const int owner = r.keep ? __ldg(p.expert_owner + id) : -1;
+  const int owner = valid && !dup ? __ldg(p.expert_owner + id) : -1;
+  r.keep = owner >= 0;  // negative: the expert's rank left (shrink), the pair is dropped
   r.owner_rank = r.keep ? (owner >> 16) : -1;
   r.local = r.keep ? (owner & 0xffff) : -1;
   r.weight = r.keep ? merged : 0.f;
@@ -406,6 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (a.last) {
     for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
       const int peer = i / nl;
+      if (!peer_active(L, peer)) continue;
       // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
       int32_t* slot = put_mode(L) && peer != L.rank
                           ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
@@ -417,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
       const int64_t bytes = static_cast<int64_t>(nl) * 4;
       for (int peer = warp; peer < L.world; peer += kWarps)
-        if (peer != L.rank)
+        if (peer != L.rank && peer_active(L, peer))
           put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
       put_quiet();
       __syncthreads();
@@ -443,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const int src = (L.rank + i) % L.world;
     if (threadIdx.x == 0) {
       const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
-      uint64_t v = wait_flag(flag, code, src, deadline, err);
+      uint64_t v = peer_active(L, src) ? wait_flag(flag, code, src, deadline, err) : 0;  // a rank that left: no rows
       if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
         if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
         v = 0;
@@ -553,6 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1) verdict_kernel(const Common c, co
   signal_all(c, kVerdictRows + parity, (static_cast<uint64_t>(verdict) << 32) | code);
   bool skip = false;
   for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+    if (!peer_active(c.lay, peer)) continue;
     const uint64_t v = wait_flag(flag_slot(c, c.lay.rank, kVerdictRows + parity, peer), code, peer, deadline, err);
     skip |= v == 0 || (v >> 32) != 0;  // a verdict that never came skips the call too (the error says why)
   }

@@ -16,6 +16,10 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
+// After a shrink the ranks that left are neither signalled nor waited for; no token is routed to
+// them (their experts' owner entries are negative).
+__device__ __forceinline__ bool peer_active(const Layout& L, int r) { return L.active == nullptr || L.active[r] != 0; }
+
 __device__ __forceinline__ uint8_t* peer_ptr(const Common& c, int r) {
   return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.peer_base[r]));
 }
@@ -87,6 +91,7 @@ __device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sy
 // Each thread releases its own flag so the NVLink round trips overlap.
 __device__ __forceinline__ void signal_all(const Common& c, int row, uint64_t value) {
   for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+    if (!peer_active(c.lay, peer)) continue;
 #ifdef EP_COMM_NVSHMEM
     if (put_mode(c.lay) && peer != c.lay.rank) {  // ordered after this rank's quieted puts
       nvshmemx_signal_op(flag_slot(c, c.lay.rank, row, c.lay.rank), value, NVSHMEM_SIGNAL_SET, peer);

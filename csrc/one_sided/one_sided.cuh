@@ -54,6 +54,7 @@ struct Layout {
   int64_t stage_offset, stage_combine_offset, stage_counts_offset;
   uint64_t timeout_ns;
   int32_t* pending;  // host-mapped
+  const int32_t* active;  // [world] 1 for the ranks still in after a shrink, or null: every rank (kCfgActivePtr)
   uint64_t* trace;   // phase stamps or null (protocol.h, kCfgTracePtr)
 };
 

@@ -106,7 +106,8 @@ class Cfg(enum.IntEnum):
     STAGE_COUNTS_OFFSET = 32  # put mode: [world][num_local] int32 counts staged per destination
     ZERO_COPY = 33  # 1 (standard layout): output rows are the receive buffer's rows of dispatch half 0
     COMBINE_PULL_INPUT = 34  # 0: combine pushes partials; else this rank's address of its expert rows
-    LEN = 35
+    ACTIVE_PTR = 35  # 0: every rank takes part; else device int32 [world], 1 for the ranks still in (shrink)
+    LEN = 36
 
 
 @enum.unique

@@ -34,12 +34,18 @@ def state_numel(world: int) -> int:
     return State.COUNTERS + (status_words(world) + 1) // 2
 
 
-def expert_owner_table(num_experts: int, world: int) -> torch.Tensor:
+def expert_owner_table(num_experts: int, world: int, active_ranks: Optional[tuple[int, ...]] = None) -> torch.Tensor:
     """int32 ``[num_experts]``: owner rank << 16 | local index, the device table the kernels look an
-    expert up in (contiguous blocks today; redundant placement needs only another table)."""
+    expert up in (contiguous blocks today; redundant placement needs only another table); -1 for the
+    experts of ranks not in ``active_ranks`` (after a shrink: their pairs are dropped)."""
     per_rank = num_experts // world
     ids = torch.arange(num_experts, dtype=torch.int32)
-    return (ids // per_rank) * 65536 + ids % per_rank
+    table = (ids // per_rank) * 65536 + ids % per_rank
+    if active_ranks is not None:
+        active = torch.zeros(world, dtype=torch.bool)
+        active[list(active_ranks)] = True
+        table = torch.where(active[ids // per_rank], table, torch.full_like(table, -1))
+    return table
 
 
 def _spins_for_the_host(device_index: int) -> bool:
@@ -55,17 +61,28 @@ class Kernels:
     """The device side of one one-sided communicator."""
 
     def __init__(self, ctx: BackendContext, local: torch.Tensor, peer_base: torch.Tensor, layout: BufferLayout,
-                 num_blocks: int, ops: KernelOps):
+                 num_blocks: int, ops: KernelOps, first_call: int = 0):
+        """``first_call``: the kernel call number to start from (after a shrink, one above every call
+        any survivor made, so no flag written before it is taken for a new one)."""
         cfg: EPConfig = ctx.cfg
         dev = ctx.device
         self.device, self.world, self.num_blocks, self.ops = dev, ctx.world_size, num_blocks, ops
         self.local, self.peer_base, self.flags_offset = local, peer_base, layout.flags_offset
         self.state = torch.zeros(state_numel(ctx.world_size), dtype=torch.int64, device=dev)
+        self.state[State.SEQ] = first_call
         self.work = torch.zeros(layout.work_numel(ctx.num_local_experts), dtype=torch.int32, device=dev)
-        self.expert_owner = expert_owner_table(cfg.num_experts, ctx.world_size).to(dev)
+        full = ctx.is_full
+        self.expert_owner = expert_owner_table(cfg.num_experts, ctx.world_size,
+                                               None if full else ctx.active_ranks).to(dev)
         self._mapped = MappedWords()
         self.words = self._mapped.words
         self.cfg = config_vector(cfg, ctx.rank, ctx.world_size, layout, num_blocks, self._mapped.device_ptr)
+        self.active: Optional[torch.Tensor] = None  # after a shrink: int32 [world], 1 for the ranks still in
+        if not full:
+            self.active = torch.zeros(ctx.world_size, dtype=torch.int32)
+            self.active[list(ctx.active_ranks)] = 1
+            self.active = self.active.to(dev)
+            self.cfg[Cfg.ACTIVE_PTR] = self.active.data_ptr()
         self._verdict_done = torch.cuda.Event()  # recorded after the last queued input verdict
         self._verdict_wait_spin = _spins_for_the_host(dev.index)
         # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][Trace.SLOTS] globaltimer ns
@@ -162,6 +179,10 @@ class Kernels:
         if not report.empty:
             words.zero_()
         return report
+
+    def calls_made(self) -> int:
+        """The kernel call number the next call would take (synchronises)."""
+        return int(self.state[State.SEQ].item())
 
     def flag_slots(self) -> list[list[int]]:
         """``[2][world]``: the flag words the peers last wrote into this rank's buffer (per parity)."""

@@ -1,0 +1,164 @@
+"""Shrink and go on, kernel backends on GPUs: a rank killed with SIGKILL mid-loop, the survivors raise
+an ``EPTimeoutError`` naming it in ``lost_ranks`` within timeout_s + 10 s, call ``comm.shrink()`` on
+every communicator (the same mapped buffers, the lost rank neither signalled nor waited for) and run
+checked calls, eager and CUDA-graph replays, both layouts: every result equals the oracle over the
+active ranks and ``Dispatched.inactive_pairs`` an independent count.
+
+World: one rank per GPU (at least 2; two ranks share a GPU on a one-GPU machine).  Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import oracle
+from ep_comm.distributed.spawn import spawn_local
+
+from .. import cases
+from .test_nvshmem import _why_skip as _why_no_nvshmem
+
+pytestmark = [pytest.mark.gpu]
+
+TIMEOUT_S = 5.0
+KILL_AT = 3  # the victim dies at a random moment of this iteration of the loop
+LAYOUTS = ("standard", "batched")
+
+
+def _ngpu() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _inputs(cfg: ep_comm.EPConfig, world: int, seed: int, tokens=None) -> list[oracle.RankInput]:
+    if tokens is None:
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, cfg.max_tokens_per_rank + 1, (world,), generator=gen).tolist()
+    return oracle.random_inputs(cfg, world, seed, tokens=tokens, p_minus_one=0.15, p_duplicate=0.2)
+
+
+def _compare(comm, inputs, d, y, what: str) -> list[str]:
+    cfg, rank, world, active = comm.cfg, comm.rank, comm.world_size, list(comm.active_ranks)
+    problems = oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs, active)[rank])
+    problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs, active_ranks=active)[rank])
+    if len(active) < world:
+        want = oracle.expected_inactive_pairs(cfg, inputs, active)[rank]
+        got = d.inactive_pairs
+        if got is None or got.dim() != 0 or got.dtype != torch.int64 or got.device != d.x.device:
+            problems.append(f"inactive_pairs is {got!r}, expected a 0-dim int64 tensor on the device")
+        elif int(got) != want:
+            problems.append(f"inactive_pairs {int(got)}, expected {want}")
+    return [f"{comm.backend}/{cfg.layout} {what}: {p}" for p in problems]
+
+
+def _eager_call(comm, seed: int) -> list[str]:
+    cfg, rank, world = comm.cfg, comm.rank, comm.world_size
+    inputs = _inputs(cfg, world, seed)
+    mine = inputs[rank].to(comm.device)
+    d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+    y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+    comm.check_errors()  # a loss during this call raises here, before the results are compared
+    return _compare(comm, inputs, d, y, f"eager seed {seed}")
+
+
+def _graph_calls(comm, seed: int, replays: int) -> list[str]:
+    """Capture dispatch + combine once, replay with fresh inputs (fixed T per rank), compare each."""
+    cfg, rank, world = comm.cfg, comm.rank, comm.world_size
+    tokens = [cfg.max_tokens_per_rank - r % 3 for r in range(world)]
+    first = _inputs(cfg, world, seed, tokens)[rank].to(comm.device)
+    x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
+    d = comm.dispatch(x_s, ids_s, w_s)  # eager warm-up outside the capture
+    comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        d_s = comm.dispatch(x_s, ids_s, w_s)
+        y_s = comm.combine(cases.graph_experts(cfg, rank, world, d_s), d_s)
+    problems: list[str] = []
+    for rep in range(replays):
+        inputs = _inputs(cfg, world, seed + 1 + rep, tokens)
+        mine = inputs[rank].to(comm.device)
+        x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        problems += _compare(comm, inputs, d_s, y_s, f"replay {rep}")
+    comm.check_errors()
+    return problems
+
+
+def shrink_worker(backend: str, victim: int, calls: int) -> dict:
+    """Every rank: one communicator per layout; loop on the first until the loss shows, then shrink
+    them all and run ``calls`` eager calls and ``calls`` graph replays on each."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    victim %= world
+    comms = [ep_comm.Communicator(cases.make_cfg(world, backend, layout, None, timeout_s=TIMEOUT_S), device=device)
+             for layout in LAYOUTS]
+    report: dict = {"problems": [], "calls": 0}
+    seed = 0
+    t_kill = None
+    for it in range(10_000):
+        if it == KILL_AT:  # about when the victim dies (the ranks are within a call of each other)
+            t_kill = time.monotonic()
+            if rank == victim:
+                threading.Timer(0.02 * torch.rand(()).item(), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        try:
+            seed += 1
+            report["problems"] += _eager_call(comms[0], seed)
+            report["calls"] += 1
+        except ep_comm.EPTimeoutError as exc:
+            report.update(lost=list(exc.lost_ranks), missing=list(exc.missing_ranks), msg=str(exc),
+                          after_s=time.monotonic() - (t_kill or time.monotonic()))
+            break
+        except ep_comm.EPError as exc:
+            report.update(lost=None, msg=f"{type(exc).__name__}: {exc}")
+            break
+    t0 = time.monotonic()
+    comms = [c.shrink() for c in comms]
+    report["shrink_s"] = time.monotonic() - t0
+    report["active"] = [list(c.active_ranks) for c in comms]
+    seed = 50_000  # survivors may have left the loop one call apart: a common base
+    for comm in comms:
+        for _ in range(calls):
+            seed += 1
+            report["problems"] += _eager_call(comm, seed)
+            report["calls"] += 1
+        seed += 1000
+        report["problems"] += _graph_calls(comm, seed, calls)
+        report["calls"] += calls
+    for comm in comms:
+        comm.close()
+    ep_comm.distributed.shutdown()
+    return report
+
+
+def _run(backend: str, victim: int, calls: int = 50):
+    world, env = cases.kernel_test_world(_ngpu())
+    victim %= world
+    results = spawn_local(shrink_worker, world, (backend, victim, calls), timeout_s=300, extra_env=env)
+    assert results[victim].exitcode == -signal.SIGKILL, (results[victim].error, results[victim].traceback)
+    for r in (r for r in range(world) if r != victim):
+        res = results[r]
+        assert res.ok, f"rank {r}: {res.error_type}: {res.error}\n{res.traceback}"
+        report = res.value
+        assert report["lost"] == [victim], report.get("msg")
+        # the first call that could not complete raised within timeout_s plus the teardown slack
+        assert report["after_s"] < TIMEOUT_S + 10, report
+        assert report["active"] == [[a for a in range(world) if a != victim]] * len(LAYOUTS), report
+        assert report["problems"] == [], report["problems"][:5]
+        assert report["calls"] >= 2 * calls * len(LAYOUTS), report
+
+
+@pytest.mark.parametrize("victim", [-1, 0], ids=["last_rank", "rank_0"])
+def test_mnnvl_survivors_shrink_and_go_on(victim):
+    _run("mnnvl", victim)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(bool(_why_no_nvshmem()), reason=_why_no_nvshmem() or "-")
+def test_nvshmem_survivors_shrink_and_go_on():
+    _run("nvshmem", -1)
