@@ -4,7 +4,7 @@ without the receive hooks (vLLM's prepare_async/finalize_async), against the den
 Each rank drives the adapter the way vLLM's FusedMoEKernel does (prepare[_async] -> experts ->
 finalize[_async] into a fresh output) with plain-torch experts, so the tests need no vLLM kernels.
 Where vLLM is not installed (the GPU machines have none) the ranks import the adapter over a stand-in
-of the few vLLM names it uses (``vllm_stand_in/``); a warning in the test summary says which one ran.
+of the few vLLM names it uses (``examples/vllm_stand_in/``); a warning in the test summary says which one ran.
 
     python -m pytest -q tests/integrations/test_vllm_gpu.py            # world 2 (two ranks share a GPU
                                                                        # on a one-GPU machine), 4 with 4 GPUs
@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 
+from ep_comm.cli.main import NVLS_OFF_DEFAULTS
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .moe_reference import (
@@ -30,7 +31,8 @@ from .moe_reference import (
     torch_experts_standard,
 )
 
-STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_stand_in")
+STAND_IN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "vllm_stand_in")
 HIDDEN, FFN, L, MAX_T, TOP_K = 256, 128, 2, 16, 2
 
 
@@ -41,20 +43,18 @@ def _ngpu() -> int:
 def import_adapter() -> str:
     """Import ep_comm.integrations.vllm over the real vLLM, or over the stand-in where vLLM is missing
     (only in the test ranks: the pytest process never puts the stand-in on its path).  Returns which."""
-    import sys
+    return _stand_in().import_adapter()
 
-    try:
-        import vllm
-        import vllm.model_executor.layers.fused_moe.modular_kernel
-        which = f"vLLM {vllm.__version__}"
-    except ImportError as exc:
-        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-            del sys.modules[name]
-        sys.path.insert(0, STAND_IN)
-        which = f"vLLM stand-in (vLLM not importable here: {exc})"
-    import ep_comm.integrations.vllm  # noqa: F401
 
-    return which
+def _stand_in():
+    """examples/vllm_stand_in, loaded by its path (examples/ is not a package and stays off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_stand_in", os.path.join(STAND_IN, "__init__.py"),
+                                                  submodule_search_locations=[STAND_IN])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _init(use_cuda: bool) -> tuple[int, int, torch.device]:
@@ -210,8 +210,8 @@ def test_adapter_on_kernel_backends(world, backend):
     """mnnvl / nvshmem, both formats, eager and CUDA graphs, hooks off and on (world 4 needs 4 GPUs)."""
     if world == 4 and _ngpu() < 4:
         pytest.skip(f"world 4 needs 4 GPUs (found {_ngpu()})")
-    env = (lambda r: {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
-    results = raise_on_failure(spawn_local(adapter_rank, world, ((backend,), True), timeout_s=600, extra_env=env))
+    results = raise_on_failure(spawn_local(adapter_rank, world, ((backend,), True), timeout_s=600,
+                                           extra_env=lambda r: dict(NVLS_OFF_DEFAULTS)))
     _check(results, f"{backend} world {world}")
 
 

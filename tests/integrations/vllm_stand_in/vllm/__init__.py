@@ -1,4 +1,0 @@
-"""A stand-in for the few names of vLLM that ep_comm.integrations.vllm imports, written for ep_comm's GPU
-tests on machines without vLLM.  It only lets the adapter be imported and driven the way vLLM's modular
-kernel drives it; it is not vLLM and computes nothing.  Never on the path when a real vLLM imports."""
-__version__ = "0.0.0+ep_comm.stand_in"
