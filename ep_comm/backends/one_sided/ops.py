@@ -105,13 +105,16 @@ def _register_fakes(prefix: str) -> None:
         world, max_tokens, k = cfg[Cfg.WORLD], cfg[Cfg.MAX_TOKENS], cfg[Cfg.TOP_K]
         local, hidden, batched = cfg[Cfg.NUM_LOCAL], cfg[Cfg.HIDDEN], bool(cfg[Cfg.BATCHED])
         n = world * max_tokens
-        if cfg[Cfg.QUANT] == Quant.FP8:
+        quant = cfg[Cfg.QUANT]
+        if quant == Quant.FP8:
             x_width, x_dtype, s_width, s_dtype = hidden, torch.float8_e4m3fn, hidden // 128, torch.float32
+        elif quant == Quant.NVFP4:  # x_scales is the global scale, not rows
+            x_width, x_dtype, s_width, s_dtype = hidden // 2, torch.uint8, hidden // 16, torch.float8_e4m3fn
         else:
             x_width, x_dtype = x.shape[1], x.dtype
             s_width = 0 if x_scales is None else x_scales.shape[1]
             s_dtype = torch.float32 if x_scales is None else x_scales.dtype
-        has_scales = bool(cfg[Cfg.QUANT] == Quant.FP8) or x_scales is not None
+        has_scales = quant != Quant.NONE or x_scales is not None
         # zero copy (standard): the rows stay in the receive buffer, the op returns none
         lead = (local, n) if batched else (0 if cfg[Cfg.ZERO_COPY] else n,)
         out_x = x.new_empty((*lead, x_width), dtype=x_dtype)
