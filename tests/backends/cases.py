@@ -80,6 +80,7 @@ def scenarios(world: int, max_tokens: int) -> dict[str, dict]:
 PAYLOADS = {  # name -> (quant, payload kind, scales width)
     "bf16+scales": (None, "dtype", 3),
     "fp8": ("fp8", "dtype", 0),
+    "nvfp4": ("nvfp4", "dtype", 0),  # x of cfg.dtype, x_scales its global scale (oracle.random_inputs)
     "uint8_opaque": (None, "uint8", 0),
 }
 
@@ -172,7 +173,7 @@ def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"),
 def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
     """``oracle.test_expert`` vectorised without host syncs, so it can sit inside a CUDA graph."""
     L = cfg.num_experts // world
-    xf = oracle.payload_as_float(cfg, d.x, d.x_scales)
+    xf = oracle.payload_as_float(cfg, d.x, d.x_scales, d.x_global_scale)
     if d.layout == "batched":
         e = torch.arange(rank * L, (rank + 1) * L, device=xf.device, dtype=torch.float32).view(L, 1, 1)
         return (torch.tanh(xf) * (1.0 + 0.25 * torch.remainder(e, 5)) + 0.01 * e).to(cfg.dtype)
@@ -185,14 +186,15 @@ def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
 
 
 def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), replays: int = 3,
-                  hooks: bool = False, seed: int = 100, **cfg_kw) -> dict:
+                  hooks: bool = False, seed: int = 100, quants=(None, "fp8"), **cfg_kw) -> dict:
     """Capture dispatch + combine once (``hooks``: split calls with their receive hooks), replay with
     fresh inputs (seeds ``seed``, ``seed + 1``, ...), compare with the oracle, then an out-of-range id
-    during a replay.  ``cfg_kw``: make_cfg overrides."""
+    during a replay.  ``quants``: the EPConfig.quant values to run (NVFP4: each replay's global scale is
+    written into the captured one).  ``cfg_kw``: make_cfg overrides."""
     topo, device = init_rank()
     world, rank = topo.world_size, topo.rank
     results: dict[str, list[str]] = {}
-    for backend, layout, quant in itertools.product(backends, layouts, (None, "fp8")):
+    for backend, layout, quant in itertools.product(backends, layouts, quants):
         cfg = make_cfg(world, backend, layout, quant, **cfg_kw)
         key = f"{backend}/{layout}/{quant or 'bf16'}"
         problems: list[str] = []
@@ -200,18 +202,21 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
         with ep_comm.Communicator(cfg, device=device) as comm:
             first = oracle.random_inputs(cfg, world, 7, tokens=tokens)[rank].to(comm.device)
             x_s, ids_s, w_s = placed_input(comm, first.x.clone()), first.topk_ids.clone(), first.topk_weights.clone()
+            gs_s = None if first.x_scales is None else first.x_scales.clone()  # NVFP4's global scale
             # eager warm-up (the same calls) initialises NCCL communicators and cuBLAS outside the capture
-            d = dispatch(comm, hooks, x_s, ids_s, w_s)
+            d = dispatch(comm, hooks, x_s, ids_s, w_s, gs_s)
             combine(comm, hooks, graph_experts(cfg, rank, world, d), d)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                d_s = dispatch(comm, hooks, x_s, ids_s, w_s)
+                d_s = dispatch(comm, hooks, x_s, ids_s, w_s, gs_s)
                 y_s = combine(comm, hooks, graph_experts(cfg, rank, world, d_s), d_s)
             for rep in range(replays):
                 inputs = oracle.random_inputs(cfg, world, seed + rep, tokens=tokens, p_minus_one=0.1, p_duplicate=0.2)
                 mine = inputs[rank].to(comm.device)
                 x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
+                if gs_s is not None:
+                    gs_s.copy_(mine.x_scales)
                 if cfg.zero_copy:  # the rows compared below are the buffer's: no peer may replay before
                     comm.control.barrier()
                 graph.replay()
