@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--quant", choices=("none", "fp8", "nvfp4"), default="none",
                    help="fp8: dispatch sends e4m3 + per-128-channel scales; nvfp4: e2m1 + an e4m3 scale per 16 "
-                        "channels, global scale 448 (collective backends only for now) (default: none)")
+                        "channels, global scale 448 (default: none)")
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
                    help="EPConfig.validate_ids: off skips the host check (one sync) of expert ids in eager "
                         "dispatch; out-of-range ids then travel as -1 and a later call raises (default: on)")
