@@ -51,7 +51,8 @@ __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 // ---- the error record -------------------------------------------------------------------------
 // ``status`` is device memory (int32, layout in protocol.h); ``pending`` points at host-mapped int32
 // words the host reads without synchronising: [kPendingFatal] when a peer problem was recorded (the
-// call sequence is broken), [kPendingRecoverable] when only ids were dropped (ranks still in step).
+// call sequence is broken), [kPendingRecoverable] when only ids were dropped or a peer abandoned a
+// combine (ranks still in step).
 struct ErrorSink {
   int32_t* status;
   int32_t* pending;
@@ -65,7 +66,9 @@ struct ErrorSink {
     atomicOr(status + kStatusRankReason + r, reason);
     atomicExch(status + kStatusRankReason + world + r, static_cast<int32_t>(observed));
     atomicCAS(status + kStatusExpectedCode, 0, static_cast<int32_t>(expected));
-    raise_pending(kPendingFatal);
+    // a peer that abandoned a combine is back in step with its next call (every rank's next call is
+    // a dispatch), so only this combine's result is incomplete; anything else breaks the sequence
+    raise_pending(reason == kReasonAbort && code_op(expected) == kOpCombine ? kPendingRecoverable : kPendingFatal);
   }
   __device__ void raise_pending(int word) const {
     __threadfence();
@@ -76,7 +79,10 @@ struct ErrorSink {
   }
 };
 
-// Wait until a peer's flag carries ``expected``.  Returns the flag (code in the low 32 bits) or 0
+// Set in a call flag written by an input verdict (dispatch.cu): the dispatch's code, but not its data.
+constexpr uint64_t kVerdictMark = 1ull << 63;
+
+// Wait until a peer's flag carries ``expected`` (unmarked).  Returns the flag (code in the low 32 bits) or 0
 // after recording why it gave up: timeout (peer missing), or a code that can only come from a
 // peer on another call.  Stale codes of earlier calls are waited through.
 __device__ __forceinline__ uint64_t wait_flag(const uint64_t* flag, uint32_t expected, int peer,
@@ -85,8 +91,8 @@ __device__ __forceinline__ uint64_t wait_flag(const uint64_t* flag, uint32_t exp
   while (true) {
     const uint64_t v = ld_acquire_sys(flag);
     const uint32_t code = static_cast<uint32_t>(v);
-    if (code == expected) return v;
-    if (code != 0 && code_seq(code) == code_seq(expected)) {
+    if (code == expected && !(v & kVerdictMark)) return v;
+    if (code != 0 && code != expected && code_seq(code) == code_seq(expected)) {
       // same call number, other op: an abort is a peer's input error, anything else a mismatch
       err.peer(peer, code_op(code) == kOpAbort ? kReasonAbort : kReasonMismatch, code, expected);
       return 0;
@@ -337,6 +343,75 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
     for (int d = 0; d < nd; ++d) {
       *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed;
       if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale;
+    }
+  }
+}
+
+// ---- NVFP4: e2m1 values, an e4m3 scale per 16 channels, a float32 global scale -------------------
+// Bit-identical to ep_comm.quant_nvfp4.quantize_nvfp4 (its docstring gives the recipe): every step is
+// one IEEE float32 operation in the reference's order (explicit round-to-nearest intrinsics, so nothing
+// is contracted into an FMA or turned into a reciprocal), and e2m1 rounding is the reference's own
+// comparisons, as sm_90 has no e2m1 conversion instruction.
+constexpr int kNvfp4Block = 16;
+constexpr float kE2m1InvMax = 1.0f / 6.0f;  // fl32(1/6): the reference's _INV_E2M1_MAX
+
+// max(a, b) that keeps a NaN of either (torch.amax propagates NaN; fmaxf would drop it)
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// float value of an e4m3 (fn) byte; NaN (0x7F / 0xFF) as NaN.  Exact: e4m3 is a subset of float32.
+__device__ __forceinline__ float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  float v;
+  if ((b & 0x7Fu) == 0x7Fu) v = __uint_as_float(0x7FC00000u);
+  else if (e == 0) v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9 (subnormal), exact
+  else v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // 2^(e-7) * (1 + m/8)
+  return (b & 0x80u) ? -v : v;
+}
+
+// e2m1 code (sign in bit 3) of q: round to nearest, ties to even, saturating at +-6; NaN is +0.  The
+// boundaries between e2m1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: a tie goes to the even code, so a
+// boundary above an even code is passed strictly and one above an odd code inclusively.
+__device__ __forceinline__ uint32_t e2m1_code(float q) {
+  if (q != q) return 0u;
+  const float a = fabsf(q);
+  const uint32_t c = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) +
+                     static_cast<uint32_t>(a > 1.25f) + static_cast<uint32_t>(a >= 1.75f) +
+                     static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+                     static_cast<uint32_t>(a > 5.0f);
+  return c | ((__float_as_uint(q) >> 31) << 3);
+}
+
+// One warp quantises ``channels`` consecutive elements of a row (channels % 16 == 0, x 16-byte
+// aligned) with global scale ``gs``: each lane owns 8 consecutive channels (4 bytes of codes, element
+// 2i in the low nibble of byte i), a lane pair one 16-channel block.  Writes the packed codes
+// (channels / 2 bytes, 4-byte aligned destinations) and the e4m3 block scales (channels / 16 bytes,
+// any alignment) to every destination.
+template <typename Tin>
+__device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
+                                                       uint8_t* const* dst_s, int nd, int lane) {
+  for (int base = 0; base < channels; base += 8 * kWarpSize) {
+    const int c0 = base + lane * 8;
+    const bool active = c0 < channels;
+    float f[8];
+    float amax = 0.f;
+    if (active) {
+      Vec8<Tin>::load(x + c0, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = nan_max(fabsf(f[i]), amax);
+    }
+    amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
+    if (!active) continue;
+    float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
+    s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
+    const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
+    const float sf = e4m3_value(sf_code);
+    const float os = sf > 0.f ? __fdiv_rn(gs, sf) : 0.f;  // NaN or zero scale: 0
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[i], os)) << (4 * i);
+    for (int d = 0; d < nd; ++d) {
+      *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
+      if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
     }
   }
 }

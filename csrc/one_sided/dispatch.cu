@@ -533,6 +533,31 @@ __global__ void abort_kernel(const Common c) {
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
 }
 
+// Wait for a peer's verdict for the call ``code``; every few hundred polls also look at its call flag,
+// where a peer on another call shows up (mismatch, recorded as wait_flag records it).  0 after giving up.
+__device__ __forceinline__ uint64_t wait_verdict(const Common& c, int parity, int peer, uint32_t code,
+                                                 uint64_t deadline, const ErrorSink& err) {
+  const uint64_t* slot = flag_slot(c, c.lay.rank, kVerdictRows + parity, peer);
+  const uint64_t* main = flag_slot(c, c.lay.rank, parity, peer);
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_acquire_sys(slot);
+    if (static_cast<uint32_t>(v) == code) return v;
+    if ((++spins & 255u) != 0) continue;
+    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
+    if (other != 0 && other != code &&
+        ((code_seq(other) == code_seq(code) && code_op(other) != kOpDispatch) || code_ahead(other, code))) {
+      err.peer(peer, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
+      return 0;
+    }
+    if (global_timer_ns() > deadline) {
+      err.peer(peer, kReasonTimeout, static_cast<uint32_t>(v), code);
+      err.count(kStatusTimeouts, 1);
+      return 0;
+    }
+  }
+}
+
 // The input verdict of an eager dispatch with id validation (Phase.CHECKED): this rank's ids are
 // range-checked, its verdict (bit 0: input the host refused, bit 1: ids out of range) goes to every
 // rank's verdict slot, and once every rank's verdict is in, State.VERDICT says whether the dispatch
@@ -552,11 +577,15 @@ __global__ void __launch_bounds__(kThreads, 1) verdict_kernel(const Common c, co
   }
   const int verdict = own_bad | (__syncthreads_or(bad_ids) ? 2 : 0);
   if (threadIdx.x == 0 && (verdict & 2)) err.raise_pending(kPendingIdsCheck);
-  signal_all(c, kVerdictRows + parity, (static_cast<uint64_t>(verdict) << 32) | code);
+  const uint64_t value = (static_cast<uint64_t>(verdict) << 32) | code;
+  signal_all(c, kVerdictRows + parity, value);
+  // the same code, marked, in the call flags: a peer on another call (a combine of this number, say)
+  // sees at once that this rank is in a dispatch (the dispatch's own wait skips marked flags)
+  signal_all(c, parity, kVerdictMark | value);
   bool skip = false;
   for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
     if (!peer_active(c.lay, peer)) continue;
-    const uint64_t v = wait_flag(flag_slot(c, c.lay.rank, kVerdictRows + parity, peer), code, peer, deadline, err);
+    const uint64_t v = wait_verdict(c, parity, peer, code, deadline, err);
     skip |= v == 0 || (v >> 32) != 0;  // a verdict that never came skips the call too (the error says why)
   }
   if (__syncthreads_or(skip) && threadIdx.x == 0) {

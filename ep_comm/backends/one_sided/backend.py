@@ -33,7 +33,7 @@ import torch
 
 from ...errors import EPConfigError, EPError, EPInputError, EPTimeoutError
 from ...layouts import Dispatched
-from ...routing import check_ids
+from ...routing import check_ids, count_inactive_pairs
 from .. import extension
 from ..base import (
     Availability,
@@ -105,6 +105,7 @@ class OneSidedBackend(Backend):
         cfg = ctx.cfg
         self.zero_copy = kernels.zero_copy
         self._fatal: Optional[EPError] = None  # raised by every call once the ranks are out of step
+        self._handed_over = False  # shrink gave the buffer to the survivors' backend
         self._uncombined: Optional[int] = None  # zero copy: the dispatch whose rows are still in use
         self._views: dict = {}
         self._input_rows: Optional[torch.Tensor] = None
@@ -152,12 +153,27 @@ class OneSidedBackend(Backend):
 
     def close(self) -> None:
         # after a timeout every peer may still be alive (one skipped a call) and closing too: the
-        # provider meets them, bounded, before anything collective; a peer known to be gone is not met
-        lost = isinstance(self._fatal, EPTimeoutError) and bool(self._fatal.lost_ranks)
+        # provider meets them, bounded, before anything collective; a peer known to be gone (or left
+        # behind by a shrink) is not met
+        lost = not self.ctx.is_full or (isinstance(self._fatal, EPTimeoutError) and bool(self._fatal.lost_ranks))
         try:
-            self.memory.release(self.ctx, self.buffer, collective=not lost)
+            if not self._handed_over:
+                self.memory.release(self.ctx, self.buffer, collective=not lost)
         finally:
             self.kernels.release()
+
+    def shrink(self, ctx: BackendContext) -> OneSidedBackend:
+        """The survivors' backend over the same buffer: ranks that left are neither signalled nor waited
+        for, and their experts' owner entries are negative, so their pairs are dropped in the kernel.
+        The survivors agree on a first call number above every call any of them made: whatever flags
+        and rows the calls before the loss left in the buffers are then stale to every wait."""
+        torch.cuda.synchronize(self.ctx.device)  # a call cut short by the loss has ended on the device
+        first_call = max(ctx.control.gather_objects(self.kernels.calls_made())) + 2
+        kernels = Kernels(ctx, self.buffer.local, self.buffer.peer_ptrs, self.layout, self.kernels.num_blocks,
+                          self.kernels.ops, first_call=first_call)
+        shrunk = type(self)(ctx, self.buffer, self.layout, kernels)
+        self._handed_over = True
+        return shrunk
 
     # -- dispatch -------------------------------------------------------------------------------------
     def dispatch(self, call: DispatchCall, recv_hook: bool) -> tuple[Dispatched, Optional[ReceiveHalf]]:
@@ -201,6 +217,8 @@ class OneSidedBackend(Backend):
         if host_checks and self.zero_copy:
             self._uncombined = call.epoch
         d = self._dispatched(x, call.x_scales, call.epoch, outputs)
+        if not self.ctx.is_full:
+            d.inactive_pairs = count_inactive_pairs(call.topk_ids, self.ctx.expert_active)
         if not recv_hook:
             return d, None
 
@@ -213,7 +231,9 @@ class OneSidedBackend(Backend):
         if self._uncombined is not None:
             return EPError(f"rank {self.ctx.rank}: zero_copy: dispatch {self._uncombined} has not been combined; its "
                            "rows are views of the receive buffer that this dispatch would overwrite")
-        if call.x_scales is not None:
+        # carried scales only: fp8 takes none and NVFP4's x_scales is its global scale, one float32 (the
+        # block scales it makes fit the layout's scale_max by construction)
+        if call.x_scales is not None and self.ctx.cfg.quant is None:
             nbytes = call.x_scales.shape[1] * call.x_scales.element_size()
             if nbytes > self.layout.scale_max:
                 return EPInputError(f"x_scales rows hold {nbytes} bytes; backend {self.name} carries at most "
@@ -223,7 +243,10 @@ class OneSidedBackend(Backend):
     def _dispatched(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], epoch: int, outputs: tuple) -> Dispatched:
         out_x, out_s, row_ids, row_w, row_slot, counts, dest = outputs
         cfg = self.ctx.cfg
-        has_scales = cfg.quant == "fp8" or x_scales is not None
+        has_scales = cfg.quant is not None or x_scales is not None
+        # NVFP4: the rows were quantised with the caller's global scale, the same on every rank (as the
+        # collective backends and the oracle have it), so this rank's is every received row's
+        global_scale = x_scales.reshape(1) if cfg.quant == "nvfp4" and x_scales is not None else None
         handle = KernelHandle(row_ids, row_w, row_slot, dest, tuple(outputs[:6]))
         if self.zero_copy:  # the op returned no rows: they stay in the buffer
             out_x = self._rows_in_buffer(self.layout.meta_bytes, out_x)
@@ -231,9 +254,9 @@ class OneSidedBackend(Backend):
         scales = out_s if has_scales else None
         if cfg.layout == "batched":
             return Dispatched(layout="batched", x=out_x, x_scales=scales, expert_num_tokens=counts,
-                              num_tokens=x.shape[0], epoch=epoch, handle=handle)
+                              num_tokens=x.shape[0], epoch=epoch, handle=handle, x_global_scale=global_scale)
         return Dispatched(layout="standard", x=out_x, x_scales=scales, topk_ids=row_ids, topk_weights=row_w,
-                          num_tokens=x.shape[0], epoch=epoch, handle=handle)
+                          num_tokens=x.shape[0], epoch=epoch, handle=handle, x_global_scale=global_scale)
 
     # -- combine --------------------------------------------------------------------------------------
     def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
@@ -243,6 +266,8 @@ class OneSidedBackend(Backend):
                                 "torch.compile graph cannot order; use eager calls or CUDA graphs")
         host_checks = not compiling and not capturing_graph(self.ctx.device)
         earlier_drops = host_checks and self._before_call()
+        if call.dispatched.epoch == self._uncombined:  # done with those rows, combined or abandoned
+            self._uncombined = None
         if call.error is not None:
             # the peers' combine kernels see the abort and go on without this rank's part; every
             # rank's next call is a dispatch, so the sequence stays in step (they raise it later)
@@ -252,8 +277,6 @@ class OneSidedBackend(Backend):
         out = call.out
         if out is None:
             out = torch.empty(d.num_tokens, cfg.hidden, dtype=cfg.dtype, device=self.ctx.device)
-        if d.epoch == self._uncombined:
-            self._uncombined = None
         target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         self._launch_combine(call.expert_out, d, target, Phase.SEND if recv_hook else Phase.BOTH)
         receive: Optional[ReceiveHalf] = None
@@ -391,15 +414,14 @@ class OneSidedBackend(Backend):
 
 #: quantisation modes the dispatch kernel fuses; any other is refused before the device is looked at,
 #: so ``backend="auto"`` falls to a backend that has it and a named one says why on every machine
-FUSED_QUANT = (None, "fp8")
+FUSED_QUANT = (None, "fp8", "nvfp4")
 
 
 def quant_unsupported(quant: Optional[str]) -> str:
     """'' when the one-sided dispatch kernel quantises ``quant`` itself, else why not."""
     if quant in FUSED_QUANT:
         return ""
-    return (f"quant={quant!r} is not fused into the one-sided kernels yet (the collective backends ag_rs and "
-            "naive run it)")
+    return f"quant={quant!r} is not fused into the one-sided kernels (they fuse {', '.join(map(repr, FUSED_QUANT))})"
 
 
 def kernels_unavailable(ctx: BackendContext) -> str:

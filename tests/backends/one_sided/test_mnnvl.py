@@ -359,11 +359,11 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispat
     res: dict = {"rank": rank}
     if rank != world - 1:  # the last rank skips the next call
         t0 = time.monotonic()
-        if pulling:
-            comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-        else:
-            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-        try:
+        try:  # an eager dispatch with validate_ids raises it itself: its input verdict never came
+            if pulling:
+                comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+            else:
+                comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
             comm.check_errors()
             res["error"] = None
         except ep_comm.EPTimeoutError as exc:
