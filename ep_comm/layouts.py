@@ -26,6 +26,10 @@ class Dispatched:
     ``x_global_scale``: with ``quant="nvfp4"`` the float32 ``[1]`` global scale the rows were quantised
     with (the tensor this rank passed as ``x_scales``, the same value on every rank): element ``i`` of a
     row is ``e2m1(x) * x_scales[i // 16] / x_global_scale``.  None otherwise.
+    ``inactive_pairs``: after ``Communicator.shrink``, a 0-d int64 tensor on the call's device counting
+    the (token, expert) pairs of this rank's tokens (unique per token) that went nowhere because the
+    expert's owner is no longer active (they contribute nothing to ``combine``); counted without a
+    host sync.  None while every rank is active.
     ``handle`` is the backend's private state that ``combine`` needs; treat it as opaque.
     """
 
@@ -40,6 +44,7 @@ class Dispatched:
     handle: Any = dataclasses.field(default=None, repr=False)
     owner: Any = dataclasses.field(default=None, repr=False, compare=False)
     x_global_scale: Optional[torch.Tensor] = None
+    inactive_pairs: Optional[torch.Tensor] = None
 
     @property
     def is_batched(self) -> bool:

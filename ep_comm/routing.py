@@ -86,4 +86,25 @@ def sanitize_routing(
     return out_ids, out_w, num_invalid
 
 
-__all__ = ["topk", "sanitize_routing", "drop_invalid_ids", "check_ids", "find_invalid_ids", "invalid_id_mask"]
+def count_inactive_pairs(topk_ids: torch.Tensor, expert_active: torch.Tensor) -> torch.Tensor:
+    """How many (token, expert) pairs of ``topk_ids`` go to an inactive expert (its owner was lost):
+    a 0-d int64 tensor on ``topk_ids``' device, without host synchronisation.
+
+    ``topk_ids``: ``[T, k]`` int32/int64 global ids; ``expert_active``: bool ``[num_experts]`` on the
+    same device.  Pairs are unique per token (an id repeated in a row counts once, as the routing guard
+    merges it); -1 and out-of-range ids are not pairs and count nothing.
+    """
+    num_experts = expert_active.shape[0]
+    ids = topk_ids.to(torch.int64)
+    valid = (ids >= 0) & (ids < num_experts)
+    inactive = valid & ~expert_active[ids.clamp(0, max(num_experts - 1, 0))]
+    k = ids.shape[-1]
+    if k > 1:  # a later slot repeating an earlier slot's id is the same pair
+        earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
+        repeat = ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & earlier).any(dim=-1)
+        inactive = inactive & ~repeat
+    return inactive.sum(dtype=torch.int64)
+
+
+__all__ = ["topk", "count_inactive_pairs", "sanitize_routing", "drop_invalid_ids", "check_ids", "find_invalid_ids",
+           "invalid_id_mask"]
