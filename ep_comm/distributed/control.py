@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import pickle
 import secrets
+import tempfile
 import time
 import weakref
-from typing import Optional, Sequence, cast
+from typing import Iterable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -105,20 +107,31 @@ class ControlPlane:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], timeout_s: float):
-        self.timeout_s = float(timeout_s)
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.global_ranks: list[int] = (
-            list(range(self.size)) if group is None else dist.get_process_group_ranks(group)
-        )
-        token = [secrets.token_hex(8) if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=self.global_ranks[0], group=group)
-        # the broadcast filled every rank's slot with rank 0's string
-        self.token: str = cast(str, token[0])
+        rank = dist.get_rank(group)
+        size = dist.get_world_size(group)
+        global_ranks = list(range(size)) if group is None else dist.get_process_group_ranks(group)
+        token = [secrets.token_hex(8) if rank == 0 else None]
+        dist.broadcast_object_list(token, src=global_ranks[0], group=group)
         base = _default_store()
         if base is None:
             raise EPError("torch.distributed has no rendezvous store to build the control plane on; "
                           "initialise with ep_comm.init_distributed() or an env:// / tcp:// init_method")
+        # the broadcast filled every rank's slot with rank 0's string
+        self._start(cast(str, token[0]), base, rank, size, global_ranks, list(range(size)), timeout_s)
+
+    def _start(self, token: str, base: dist.Store, rank: int, size: int, global_ranks: list[int],
+               labels: list[int], timeout_s: float, join_s: float = 0.0) -> None:
+        """Build the plane over ``size`` members on ``base`` under the prefix ``token`` (collective).
+        ``join_s``: first wait up to that long for every member to arrive (store keys)."""
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.size = size
+        self.global_ranks = global_ranks  # torch.distributed world rank of each member
+        #: the communicator rank of each member: what every message and error names (``range(size)``
+        #: until a shrink leaves gaps)
+        self.labels = labels
+        self.token = token
+        self._base_store = base
         self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base)
         self.broken: Optional[str] = None
         self._shm: Optional[SharedAgreement] = None  # set once the ranks are known to share a host
@@ -126,10 +139,19 @@ class ControlPlane:
         self._record_tensors = (torch.zeros(4, dtype=torch.int64),
                                 [torch.zeros(4, dtype=torch.int64) for _ in range(self.size)])
         self.identities: list[ProcessIdentity] = []
-        self._pg: Optional[dist.ProcessGroupGloo] = dist.ProcessGroupGloo(
-            dist.PrefixStore("gloo/", self.store), self.rank, self.size,
-            datetime.timedelta(seconds=self.timeout_s),
-        )
+        self.host_ids: list[str] = []
+        self._groups: dict[str, dist.ProcessGroupGloo] = {}
+        self._pg: Optional[dist.ProcessGroupGloo] = None
+        if join_s > 0:
+            self._join(join_s)
+        try:
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size,
+                                             datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise EPTimeoutError(
+                f"rank {self.me}: the control plane over ranks {self.labels} could not be formed within "
+                f"timeout_s={self.timeout_s:g} ({_summary(exc)}); after a shrink every survivor must name "
+                "the same lost ranks", missing_ranks=[r for r in self.labels if r != self.me]) from exc
         _open_planes.add(self)
         try:
             # who runs where, and as which process: the latter lets a survivor tell later that a
@@ -138,7 +160,7 @@ class ControlPlane:
         except BaseException:
             self.close("failed while being created")
             raise
-        self.host_ids: list[str] = [str(h) for h, _ in ids]
+        self.host_ids = [str(h) for h, _ in ids]
         self.identities = [i for _, i in ids]
         # one host: the per-call agreement goes through shared memory (shm_agree.py), if every rank can
         try:
@@ -148,6 +170,97 @@ class ControlPlane:
         except BaseException:
             self.close("failed while being created")
             raise
+
+    @property
+    def me(self) -> int:
+        """This rank's communicator rank (``labels[rank]``)."""
+        return self.labels[self.rank]
+
+    # -- shrinking ------------------------------------------------------------------------------------
+    def shrink(self, lost: Iterable[int], attempt: int = 0) -> ControlPlane:
+        """A new control plane over this plane's members except ``lost`` (communicator ranks), formed
+        without any exchange with the lost ones: collective over the survivors only, who must all pass
+        the same ``lost`` (and ``attempt``, a count of earlier tries that failed).
+
+        Its rendezvous keys live under a prefix derived from this plane's token, the survivors and
+        ``attempt``, so no broadcast is needed.  The rendezvous store is this plane's store when it
+        still answers; when it does not (its host was a lost rank, e.g. rank 0 under a plain
+        ``MASTER_ADDR`` launch), survivors that all share this host meet in a ``FileStore`` in the
+        temporary directory instead, and survivors spread over several hosts get an ``EPError`` (run
+        under torchrun, whose agent hosts the store, to shrink across hosts after rank 0 is lost).
+        This plane is left open (close it yourself).
+        """
+        gone = set(lost)
+        keep = [i for i, label in enumerate(self.labels) if label not in gone]
+        if self.rank not in keep:
+            raise EPError(f"rank {self.me} cannot shrink to a plane without itself (lost {sorted(gone)})")
+        labels = [self.labels[i] for i in keep]
+        token = hashlib.sha1(f"{self.token}/{attempt}/{labels}".encode()).hexdigest()[:16]
+        base = self._survivors_store(token, keep)
+        plane = ControlPlane.__new__(ControlPlane)
+        # a survivor may still be inside the failed call for up to timeout_s (waiting in an exchange
+        # with a peer that has already left it), then SETTLE_S looking for the cause: wait that long
+        plane._start(token, base, keep.index(self.rank), len(keep), [self.global_ranks[i] for i in keep], labels,
+                     self.timeout_s, join_s=2 * self.timeout_s + SETTLE_S)
+        return plane
+
+    def _join(self, window_s: float) -> None:
+        """Wait until every member has arrived, up to ``window_s``; ``EPTimeoutError`` naming the absent."""
+        keys = [f"joined/{r}" for r in range(self.size)]
+        try:
+            self.store.set(keys[self.rank], "1")
+            self.store.wait(keys, datetime.timedelta(seconds=window_s))
+            return
+        except Exception as exc:  # noqa: BLE001 - a timeout or a store failure: name who is missing
+            cause = exc
+        absent = [self.labels[r] for r, key in enumerate(keys) if not self._store_call(self.store.check, [key])]
+        raise EPTimeoutError(
+            f"rank {self.me}: ranks {absent} did not join the survivors' control plane over ranks {self.labels} "
+            f"within {window_s:g} s ({_summary(cause)}); every survivor must shrink, naming the same lost ranks",
+            missing_ranks=absent) from cause
+
+    def _survivors_store(self, token: str, keep: list[int]) -> dist.Store:
+        try:
+            self._base_store.check(["ep_comm/alive"])  # needs the server's answer: a lost host fails it
+            return self._base_store
+        except Exception as exc:  # noqa: BLE001 - any failure means the store is gone for us
+            why = _summary(exc)
+        hosts = {self.host_ids[i] for i in keep} | {local_host_id()}
+        if len(hosts) > 1:
+            raise EPError(f"rank {self.me}: cannot shrink: the rendezvous store no longer answers ({why}; its host, "
+                          "e.g. rank 0 under a plain MASTER_ADDR launch, is likely among the lost ranks) and the "
+                          f"survivors {[self.labels[i] for i in keep]} span {len(hosts)} hosts; launch with torchrun "
+                          "(its agent hosts the store) to survive the loss of rank 0 across hosts")
+        path = os.path.join(tempfile.gettempdir(), f"ep_comm_store_{token}")
+        return dist.FileStore(path, len(keep))
+
+    def _drop_groups(self) -> None:
+        """Shut the ``gloo_group``s down (their sockets close when the objects go)."""
+        groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - older torch: no shutdown(); the destructor closes it
+                pass
+
+    def gloo_group(self, name: str) -> dist.ProcessGroup:
+        """A gloo process group over this plane's members, ranked as in this plane, made on the first
+        call with a given ``name`` (collective then) and shut down with the plane.  It is not in
+        torch's group table: call its own methods (``allgather``, ``allreduce``, ``broadcast``, group
+        ranks); the ``torch.distributed`` functions run on it but fail on its table when a peer fails.
+        Its timeout is the plane's ``timeout_s``."""
+        if self.broken:
+            raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
+        pg = self._groups.get(name)
+        if pg is None:
+            try:
+                pg = dist.ProcessGroupGloo(dist.PrefixStore(f"group/{name}/", self.store), self.rank, self.size,
+                                           datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise self.failure(OP_CREATE, -1, exc) from exc
+            self._groups[name] = pg
+        # a Backend object, not a registered ProcessGroup: the collectives take it all the same
+        return cast(dist.ProcessGroup, pg)
 
     @property
     def agreement(self) -> str:
@@ -224,7 +337,8 @@ class ControlPlane:
             if missing:
                 what = {"closed": "closed its end", "gone": "process gone",
                         "timeout": f"no record within timeout_s={self.timeout_s:g}"}[why]
-                raise self.failure(op, epoch, RuntimeError(f"shared-memory agreement: rank(s) {missing}: {what}"))
+                raise self.failure(op, epoch, RuntimeError(
+                    f"shared-memory agreement: rank(s) {[self.labels[r] for r in missing]}: {what}"))
             return self._checked([PeerStatus(r, *rec) for r, rec in enumerate(records)], op, epoch, error)
         return wait
 
@@ -235,10 +349,11 @@ class ControlPlane:
             self._raise_input_errors(peers, error)
         off = [p for p in peers if (p.op, p.epoch) != (op, epoch)]
         if off:
-            desc = ", ".join(f"rank {p.rank} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}" for p in off)
+            desc = ", ".join(f"rank {self.labels[p.rank]} is in {OP_NAMES.get(p.op, p.op)} epoch {p.epoch}"
+                             for p in off)
             self.broken = "ranks disagreed on the call"
             raise EPError(
-                f"rank {self.rank} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
+                f"rank {self.me} is in {OP_NAMES[op]} epoch {epoch} but {desc}: the ranks of a communicator "
                 "must call dispatch/combine in the same order"
             )
         return peers
@@ -323,14 +438,14 @@ class ControlPlane:
             for r, blamed in followers.items():
                 for b in blamed:  # a peer on another machine may have seen what we cannot
                     if b != self.rank and b not in gone:
-                        gone[b] = f"rank {r} lost it"
+                        gone[b] = f"rank {self.labels[r]} lost it"
         return gone, followers
 
     def lost_peers(self, use_store: bool = True) -> dict[int, str]:
         """``{rank: why}`` for peers known to be gone: their process exited (same machine only), they
         closed their end of this control plane, or a peer that left names them.  Without the store
-        this is a few ``/proc`` reads."""
-        return self._diagnose(use_store)[0]
+        this is a few ``/proc`` reads.  Keys are communicator ranks (``labels``)."""
+        return {self.labels[r]: why for r, why in self._diagnose(use_store)[0].items()}
 
     def failure(self, op: int, epoch: int, exc: BaseException) -> EPTimeoutError:
         """The typed error for a failed exchange with the peers; marks this control plane broken.
@@ -346,10 +461,11 @@ class ControlPlane:
         while not gone and time.monotonic() < deadline:
             time.sleep(0.05)
             gone, followers = self._diagnose(True)
-        parts = [f"rank {r} is gone ({why})" for r, why in sorted(gone.items())]
+        lab = self.labels
+        parts = [f"rank {lab[r]} is gone ({why})" for r, why in sorted(gone.items())]
         if followers:
-            parts.append(", ".join(f"rank {r}" for r in sorted(followers)) + " left after losing "
-                         + ", ".join(sorted({f"rank {b}" for bl in followers.values() for b in bl})))
+            parts.append(", ".join(f"rank {lab[r]}" for r in sorted(followers)) + " left after losing "
+                         + ", ".join(sorted({f"rank {lab[b]}" for bl in followers.values() for b in bl})))
         missing = sorted(gone) + sorted(followers)
         records = self._store_ok or self._shm is not None
         if op in (OP_DISPATCH, OP_COMBINE) and records:  # the calls that leave arrival records
@@ -361,7 +477,7 @@ class ControlPlane:
                     missing.append(r)
                     where = "never arrived" if last is None else \
                         f"last seen in {OP_NAMES.get(last[0])} epoch {last[1]}"
-                    parts.append(f"rank {r} ({where})")
+                    parts.append(f"rank {lab[r]} ({where})")
         if not records:
             parts.append("arrival records unavailable: the rendezvous store is unreachable")
         if gone:
@@ -369,7 +485,7 @@ class ControlPlane:
         # what a rank that leaves after this tells the others (close marker): the ranks that are gone,
         # or, when none is known to be, those that never arrived; never a peer that was merely slower
         _blamed.update(self.global_ranks[r] for r in (sorted(gone) if gone else missing))
-        call = f"rank {self.rank}: {OP_NAMES.get(op, op)}" + (f" epoch {epoch}" if epoch >= 0 else "")
+        call = f"rank {self.me}: {OP_NAMES.get(op, op)}" + (f" epoch {epoch}" if epoch >= 0 else "")
         if gone:
             msg = f"{call} failed: " + "; ".join(parts)
         elif lost_connection(exc):
@@ -378,30 +494,55 @@ class ControlPlane:
         else:
             detail = "; ".join(parts) if parts else "all peers had arrived; the exchange itself failed"
             msg = f"{call} did not complete within timeout_s={self.timeout_s:g}: missing {detail}"
-        return EPTimeoutError(f"{msg} [{_summary(exc)}]", missing_ranks=missing, lost_ranks=sorted(gone))
+        if gone:  # (a peer merely late is left to find out for itself: no early word to name it)
+            self._leave_early(msg)
+        return EPTimeoutError(f"{msg} [{_summary(exc)}]", missing_ranks=[lab[r] for r in missing],
+                              lost_ranks=[lab[r] for r in gone])
+
+    def _leave_early(self, why: str) -> None:
+        """After an exchange failed because peers are gone the plane is broken: let the other peers
+        know now rather than at ``close``.
+
+        A peer may still be waiting for this rank's record of the failed call, though it will never
+        come: it would wait out its timeout, and a shrink of the survivors, which waits for every one
+        of them, with it.  So the shared-memory slot says closed now and the store carries the close
+        marker with the ranks blamed, so that the peer names them, not this rank, as lost.  (A
+        peer blocked in a gloo collective still waits for its timeout: gloo's ``shutdown``/``abort``
+        leave the sockets open.)
+        """
+        if self._shm is not None:
+            self._shm.mark_closed()
+        because = sorted(g for g in _blamed if g in self.global_ranks)
+        if because:
+            marker = json.dumps({"reason": f"it failed: {why}"[:300], "because_of": because})
+            self._store_call(self.store.set, f"left/{self.rank}", marker)
 
     def _raise_input_errors(self, peers: Sequence[PeerStatus], error: Optional[BaseException]) -> None:
         messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
         bad = [(p.rank, messages[p.rank]) for p in peers if p.status]
         if error is not None:
             raise error
-        desc = "; ".join(f"rank {r}: {m}" for r, m in bad)
-        raise EPInputError(f"invalid input on peer rank(s) {[r for r, _ in bad]} ({desc})")
+        desc = "; ".join(f"rank {self.labels[r]}: {m}" for r, m in bad)
+        raise EPInputError(f"invalid input on peer rank(s) {[self.labels[r] for r, _ in bad]} ({desc})")
 
-    def close(self, reason: str = "closed") -> None:
+    def close(self, reason: str = "closed", because_of: Iterable[int] = ()) -> None:
         """Shut the gloo group down now (left to interpreter exit, its threads can abort the process).
 
         Leaves ``reason`` in the store first, so a peer still waiting on this rank learns that it left
-        rather than timing out.  Idempotent; not collective.
+        rather than timing out.  ``because_of``: communicator ranks (``labels``) this rank leaves
+        because they were lost (a shrink): peers then blame them, not this rank.  Idempotent; not
+        collective.
         """
         pg, self._pg = self._pg, None
         if pg is None:
             return
+        self._drop_groups()
         self.broken = self.broken or "closed"
         _open_planes.discard(self)
         # the ranks this process found gone or missing travel along, so that a peer which cannot see
         # them itself (another machine) still names the root cause rather than this rank
-        because = sorted(g for g in _blamed if g in self.global_ranks)
+        because = sorted({g for g in _blamed if g in self.global_ranks}
+                         | {self.global_ranks[self.labels.index(r)] for r in because_of if r in self.labels})
         marker = json.dumps({"reason": reason[:300], "because_of": because})
         self._store_call(self.store.set, f"left/{self.rank}", marker)
         if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
