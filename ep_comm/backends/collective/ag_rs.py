@@ -22,7 +22,7 @@ class AllGatherReduceScatterBackend(CollectiveBackend):
     def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
         if batch.peer_tokens is not None:
             return list(batch.peer_tokens)
-        return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.world_size
+        return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.group_size
 
     def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
         return batch.num_tokens if eager else self.ctx.cfg.max_tokens_per_rank
@@ -30,9 +30,9 @@ class AllGatherReduceScatterBackend(CollectiveBackend):
     def gather(self, send: torch.Tensor, nbytes: list[int]) -> Union[torch.Tensor, Sequence[torch.Tensor]]:
         ctx = self.ctx
         if len(set(nbytes)) == 1:  # one [world, nbytes] tensor: unpack then reads strided views of it
-            return all_gather_equal(send, ctx.world_size, ctx.group)
-        return all_gatherv(send, nbytes, ctx.rank, ctx.control.global_ranks, ctx.group)
+            return all_gather_equal(send, ctx.group_size, ctx.group)
+        return all_gatherv(send, nbytes, ctx.group_rank, ctx.group)
 
     def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
         ctx = self.ctx
-        return reduce_scatterv(buf, chunk_rows, ctx.rank, ctx.control.global_ranks, ctx.group)
+        return reduce_scatterv(buf, chunk_rows, ctx.group_rank, ctx.group)

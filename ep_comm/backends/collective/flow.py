@@ -22,6 +22,7 @@ from ...errors import EPError, EPInputError
 from ...layouts import Dispatched
 from ...quant import quantize_fp8
 from ...quant_nvfp4 import quantize_nvfp4
+from ...routing import count_inactive_pairs
 from ..base import (
     Availability,
     Backend,
@@ -68,7 +69,8 @@ class CollectiveBackend(Backend):
     def __init__(self, ctx: BackendContext):
         self.ctx = ctx
         self.counts = ErrorCounts(ctx.device)
-        self.invalid_ids = InvalidIds(ctx.cfg, ctx.rank, ctx.world_size, ctx.device, self.counts)
+        self.invalid_ids = InvalidIds(ctx.cfg, ctx.group_rank, ctx.group_size, ctx.device, self.counts,
+                                      ctx.active_ranks)
         self.agreement = HostAgreement(ctx.control)
         self._capabilities = Capabilities(host_agreement=ctx.control.agreement)
 
@@ -96,7 +98,24 @@ class CollectiveBackend(Backend):
 
     @classmethod
     def create(cls, ctx: BackendContext) -> CollectiveBackend:
+        """On the CPU the data moves over a gloo group of the communicator's own (``gloo_group``), not
+        the caller's: its timeout is ``timeout_s``, so a survivor left blocked in a collective by a lost
+        rank gets out within ``timeout_s`` whatever the caller's group timeout (a shrink waits for
+        every survivor, up to 2 × ``timeout_s`` + ``SETTLE_S``)."""
+        if ctx.device.type == "cpu":
+            ctx = dataclasses.replace(ctx, group=ctx.control.gloo_group("data"))
         return cls(ctx)
+
+    def shrink(self, ctx: BackendContext) -> CollectiveBackend:
+        """The same backend over the survivors: ``ctx.group`` is their gloo group, so the collectives
+        never include a lost rank.  Selection keeps the pairs whose expert this rank owns by
+        communicator rank (``ctx.rank``), so the experts of lost ranks are nobody's and their pairs
+        vanish; dispatch counts them (``Dispatched.inactive_pairs``).  CPU only: over NCCL the
+        survivors would need a new NCCL communicator, which is not built here."""
+        if ctx.device.type != "cpu":
+            raise EPError(f"backend {self.name} cannot shrink on {ctx.device}: the survivors' group is gloo "
+                          "(CPU tensors); a shrink over NCCL is not implemented")
+        return type(self)(ctx)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -164,6 +183,8 @@ class CollectiveBackend(Backend):
         if validate:
             self.invalid_ids.raise_if_any(call.topk_ids)
         out.x_global_scale = global_scale
+        if not self.ctx.is_full:
+            out.inactive_pairs = count_inactive_pairs(call.topk_ids, self.ctx.expert_active)
         return out, None
 
     def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
@@ -201,7 +222,7 @@ class CollectiveBackend(Backend):
         checks = capturing_graph(ctx.device)
         mine = layout_for(batch, self.own_rows(batch, eager))
         send = torch.empty(mine.nbytes, dtype=torch.uint8, device=ctx.device)
-        pack(batch, mine, send, header=(OP_DISPATCH, ctx.rank) if checks else None, invalid_ids=invalid_ids)
+        pack(batch, mine, send, header=(OP_DISPATCH, ctx.group_rank) if checks else None, invalid_ids=invalid_ids)
         return PreparedDispatch(mine, send, checks, invalid_ids is not None)
 
     def exchange_dispatch(self, batch: RoutedBatch, prepared: PreparedDispatch,
@@ -212,9 +233,9 @@ class CollectiveBackend(Backend):
         if collect_invalid_ids != prepared.reports_invalid_ids:
             raise EPError("dispatch: collecting invalid-id counts needs buffers packed with them, and only then")
         layouts = layouts_for(batch, self.rows_per_rank(batch))
-        if layouts[ctx.rank] != prepared.layout:  # the agreed counts contradict what was packed
+        if layouts[ctx.group_rank] != prepared.layout:  # the agreed counts contradict what was packed
             raise EPError(f"rank {ctx.rank}: packed {prepared.layout.rows} token slots but the agreed counts say "
-                          f"{layouts[ctx.rank].rows}")
+                          f"{layouts[ctx.group_rank].rows}")
         g = unpack(self.gather(prepared.send, [lay.nbytes for lay in layouts]), layouts,
                    headers=prepared.checks or collect_invalid_ids)
         if prepared.checks:
@@ -234,6 +255,6 @@ class CollectiveBackend(Backend):
     def exchange_combine(self, dispatched: Dispatched, out: torch.Tensor, prepared: PreparedCombine) -> torch.Tensor:
         mine = self.reduce(prepared.buf, prepared.chunk_rows)
         if prepared.header:
-            mine = check_combine_header(self.counts, self.ctx.world_size, mine, dispatched.epoch)
+            mine = check_combine_header(self.counts, self.ctx.group_size, mine, dispatched.epoch)
         out.copy_(mine[: dispatched.num_tokens])
         return out

@@ -14,7 +14,7 @@ of it, which depends on the call:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,8 +49,12 @@ class _PinnedCopy:
 class InvalidIds:
     """One per communicator of the collective family."""
 
-    def __init__(self, cfg: EPConfig, rank: int, world: int, device: torch.device, counts: ErrorCounts):
+    def __init__(self, cfg: EPConfig, rank: int, world: int, device: torch.device, counts: ErrorCounts,
+                 labels: Optional[Sequence[int]] = None):
+        """``rank``/``world``: group rank and size (the gathered order); ``labels``: the communicator rank
+        of each group rank, what errors name (default: the same)."""
         self.cfg, self.rank, self.counts = cfg, rank, counts
+        self.labels = list(labels) if labels is not None else list(range(world))
         cuda = device.type == "cuda"
         # eager validate_ids: every rank's count, copied into a pinned buffer kept for every call; pending
         # also covers a copy whose answer was never read (the call failed in between)
@@ -118,10 +122,12 @@ class InvalidIds:
         bad = [r for r, n in enumerate(self._counts.tolist()) if n]
         if not bad:
             return
+        me = self.labels[self.rank]
         if self.rank in bad:
-            check_ids(topk_ids, self.cfg.num_experts, self.rank)  # raises, naming the token
-            raise EPInputError(f"rank {self.rank}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
-        raise EPInputError(f"invalid input on peer rank(s) {bad} (topk_ids outside [-1, num_experts="
+            check_ids(topk_ids, self.cfg.num_experts, me)  # raises, naming the token
+            raise EPInputError(f"rank {me}: topk_ids outside [-1, num_experts={self.cfg.num_experts})")
+        named = [self.labels[r] for r in bad]
+        raise EPInputError(f"invalid input on peer rank(s) {named} (topk_ids outside [-1, num_experts="
                            f"{self.cfg.num_experts}); the dispatch is not returned on any rank)")
 
     def reset(self) -> None:

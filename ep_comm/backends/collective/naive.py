@@ -7,9 +7,8 @@ CUDA-graph capturable on NCCL; it works unchanged on gloo (CPU).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .collectives import all_gather_equal
+from .collectives import all_gather_equal, all_reduce
 from .flow import CollectiveBackend
 from .packing import RoutedBatch
 
@@ -18,15 +17,16 @@ class NaiveBackend(CollectiveBackend):
     name = "naive"
 
     def rows_per_rank(self, batch: RoutedBatch) -> list[int]:
-        return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.world_size
+        return [self.ctx.cfg.max_tokens_per_rank] * self.ctx.group_size
 
     def own_rows(self, batch: RoutedBatch, eager: bool) -> int:
         return self.ctx.cfg.max_tokens_per_rank
 
     def gather(self, send: torch.Tensor, nbytes: list[int]) -> torch.Tensor:
-        return all_gather_equal(send, self.ctx.world_size, self.ctx.group)
+        return all_gather_equal(send, self.ctx.group_size, self.ctx.group)
 
     def reduce(self, buf: torch.Tensor, chunk_rows: list[int]) -> torch.Tensor:
-        dist.all_reduce(buf, group=self.ctx.group)
-        start = sum(chunk_rows[: self.ctx.rank])
-        return buf[start: start + chunk_rows[self.ctx.rank]]
+        all_reduce(buf, self.ctx.group)
+        me = self.ctx.group_rank
+        start = sum(chunk_rows[:me])
+        return buf[start: start + chunk_rows[me]]

@@ -78,7 +78,7 @@ def reduce_buffer(ctx: BackendContext, rows: Sequence[int], hidden: int, epoch: 
     the reduction the receiver finds every peer's code in its chunk.  Chunks are equal then (sizes are
     padded to max_tokens_per_rank while capturing), so the partial sums land in one strided view.
     """
-    world, device = ctx.world_size, ctx.device
+    world, device = ctx.group_size, ctx.device
     if not checks or hidden < world or len(set(rows)) != 1:
         buf = torch.empty(sum(rows), hidden, dtype=torch.float32, device=device)
         return buf, list(rows), buf, False
@@ -86,7 +86,7 @@ def reduce_buffer(ctx: BackendContext, rows: Sequence[int], hidden: int, epoch: 
     buf = torch.empty(world, n + 1, hidden, dtype=torch.float32, device=device)
     header = buf[:, n]
     header.zero_()
-    header[:, ctx.rank].fill_(float(epoch_code(OP_COMBINE, epoch)))  # fill_: no host scalar copy
+    header[:, ctx.group_rank].fill_(float(epoch_code(OP_COMBINE, epoch)))  # fill_: no host scalar copy
     return buf.view(world * (n + 1), hidden), [n + 1] * world, buf[:, :n], True
 
 

@@ -57,7 +57,8 @@ def select_local(ctx: BackendContext, g: Gathered, num_tokens: int, epoch: int, 
             raise EPError(f"the collective selection kernels cannot run: {kernels.select_unavailable()}")
     cfg, L, cap = ctx.cfg, ctx.num_local_experts, ctx.capacity
     first = ctx.rank * L
-    # the owner of id i is i // L (contiguous blocks); -1 // L = -1 is nobody's
+    # the owner of id i is i // L (contiguous blocks); -1 // L = -1 is nobody's.  ctx.rank is the
+    # communicator rank, so after a shrink the experts of lost ranks are nobody's either: skipped
     is_local = torch.div(g.ids, L, rounding_mode="floor") == ctx.rank
     dev, k = g.ids.device, g.ids.shape[-1]
     nothing = zero(dev)
