@@ -2,7 +2,8 @@
 receive hooks; everything a transport does is its backend's (``ep_comm.backends``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional, Union, overload
+import dataclasses
+from typing import Any, Callable, Iterable, Literal, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from .backends.choice import create_backend
 from .config import EPConfig
 from .distributed.bootstrap import init_distributed
 from .distributed.control import ControlPlane
-from .errors import EPConfigError, EPError, EPInputError
+from .errors import EPConfigError, EPError, EPInputError, EPTimeoutError
 from .layouts import Dispatched
 from .validation import InputChecks
 
@@ -24,7 +25,9 @@ class Communicator:
     Attributes: ``rank``, ``world_size``, ``num_local_experts`` (L), ``backend`` (resolved name),
     ``capacity`` (= max_tokens_per_rank × world_size, rows per expert in the batched layout),
     ``capabilities`` (what the backend offers: receive hooks, zero copy, ...), ``num_sms`` (SMs the
-    kernel backends use, None for the collective ones).
+    kernel backends use, None for the collective ones), ``active_ranks`` (the ranks still in: all of
+    them until ``shrink``).  After a shrink ``rank`` and ``world_size`` keep their original values
+    (global numbering: expert ``e`` stays on rank ``e // L``).
     """
 
     def __init__(self, cfg: EPConfig, group: Optional[dist.ProcessGroup] = None,
@@ -58,11 +61,19 @@ class Communicator:
             # a refused backend (raised alike on every rank) must not leave the gloo group behind
             self.control.close(f"creation failed: {type(exc).__name__}")
             raise
+        self._ready(ctx)
+
+    def _ready(self, ctx: BackendContext) -> None:
+        """The per-backend state, once ``self._impl`` exists (creation and shrink)."""
+        self._ctx = ctx
+        self.active_ranks: tuple[int, ...] = ctx.active_ranks
         self.capabilities: Capabilities = self._impl.capabilities
         self.num_sms = self.capabilities.num_sms
         self._epoch = 0  # call number: the same on every rank, carried by every dispatch
         self._input_rows: Optional[torch.Tensor] = None  # dispatch_input_buffer where the backend has none
         self._pending_hook: Optional[RecvHook] = None
+        self._lost: set[int] = set()  # ranks the last EPTimeoutError of a call named as lost
+        self._shrink_attempts = 0
         self._closed = False
 
     # -- public API ----------------------------------------------------------------------------------
@@ -101,8 +112,12 @@ class Communicator:
         self._before_call(return_recv_hook)
         epoch, self._epoch = self._epoch, self._epoch + 1
         error = _checked(lambda: self._checks.dispatch(x, topk_ids, topk_weights, x_scales), "dispatch")
-        out, receive = self._impl.dispatch(DispatchCall(x, topk_ids, topk_weights, x_scales, epoch, error),
-                                           return_recv_hook)
+        try:
+            out, receive = self._impl.dispatch(DispatchCall(x, topk_ids, topk_weights, x_scales, epoch, error),
+                                               return_recv_hook)
+        except EPTimeoutError as exc:
+            self._lost.update(exc.lost_ranks)  # what shrink() drops by default
+            raise
         out.owner = self
         return (out, self._new_hook(receive, "dispatch")) if return_recv_hook else out
 
@@ -135,7 +150,11 @@ class Communicator:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
             self._checks.combine(expert_out, dispatched, out)
         error = _checked(check, "combine")
-        result, receive = self._impl.combine(CombineCall(expert_out, dispatched, out, error), return_recv_hook)
+        try:
+            result, receive = self._impl.combine(CombineCall(expert_out, dispatched, out, error), return_recv_hook)
+        except EPTimeoutError as exc:
+            self._lost.update(exc.lost_ranks)
+            raise
         return (result, self._new_hook(receive, "combine")) if return_recv_hook else result
 
     def dispatch_input_buffer(self) -> torch.Tensor:
@@ -187,19 +206,89 @@ class Communicator:
         self._check_open()
         self._impl.check_errors()
 
+    def shrink(self, lost_ranks: Optional[Iterable[int]] = None) -> Communicator:
+        """A communicator over the survivors after ranks were lost, in the same processes; collective
+        over the survivors only: nothing waits on a lost rank or runs a collective that includes it.
+
+        Args:
+            lost_ranks: ranks to drop (this communicator's numbering).  Default: the ranks it knows are
+                gone: the ``lost_ranks`` of the ``EPTimeoutError`` its calls raised, and the peers its
+                control plane finds gone now (process exited on this machine, or closed its end for a
+                reason of its own).  Every survivor must drop the same set.
+        Returns:
+            A ``Communicator`` with the same ``EPConfig``, backend, ``rank``, ``world_size``,
+            ``num_local_experts`` and ``capacity`` (global expert ids: expert ``e`` stays on rank
+            ``e // L``), and ``active_ranks`` without the lost ranks.  Experts of inactive ranks get no
+            tokens and contribute nothing to ``combine``; every ``dispatch`` counts the (token, expert)
+            pairs of this rank's tokens that went to them in ``Dispatched.inactive_pairs``.  This
+            communicator is closed (without waiting on anyone); it may already be closed.  Shrinking
+            the result again after another loss works the same way.
+        Raises:
+            ``EPError`` when no lost rank is given or known, one is not active or is this rank; when
+            the backend cannot shrink (the base ``Backend.shrink``); when the rendezvous store was
+            hosted by a lost rank and the survivors span several hosts (``ControlPlane.shrink``: on one
+            host they meet in a file store).  ``EPTimeoutError`` when a survivor does not join within
+            2 × ``timeout_s`` + 5 s (a survivor may still be in the failed call for ``timeout_s``; or
+            the survivors named different lost ranks).  On any failure this
+            communicator is left as it was, so ``shrink`` can be tried again.
+        """
+        if not hasattr(self, "_impl"):
+            raise EPError("shrink: the communicator was never fully created")
+        lost = self._ranks_to_drop(lost_ranks)
+        attempt, self._shrink_attempts = self._shrink_attempts, self._shrink_attempts + 1
+        plane = self.control.shrink(lost, attempt)
+        try:
+            ctx = dataclasses.replace(self._ctx, group=plane.gloo_group("data"), control=plane,
+                                      topology=plane.topology(self.device.index), active_ranks=tuple(plane.labels))
+            impl = self._impl.shrink(ctx)
+        except BaseException as exc:
+            plane.close(f"shrink failed: {type(exc).__name__}: {exc}", because_of=lost)
+            raise
+        new = Communicator.__new__(Communicator)
+        new.cfg, new.group, new.rank, new.world_size = self.cfg, ctx.group, self.rank, self.world_size
+        new.num_local_experts, new.capacity, new.device = self.num_local_experts, self.capacity, self.device
+        new._checks, new.control, new.topology = self._checks, plane, ctx.topology
+        new.backend, new._impl, new.auto_skipped = self.backend, impl, self.auto_skipped
+        new._ready(ctx)
+        self._close(f"shrunk to ranks {list(plane.labels)}", because_of=lost)
+        return new
+
+    def _ranks_to_drop(self, lost_ranks: Optional[Iterable[int]]) -> list[int]:
+        if lost_ranks is None:
+            lost = set(self._lost) | set(self.control.lost_peers())
+            if not lost:
+                raise EPError(f"rank {self.rank}: shrink: no rank is known to be lost (none named by an "
+                              "EPTimeoutError of this communicator, none found gone now); pass lost_ranks")
+        else:
+            lost = {int(r) for r in lost_ranks}
+            if not lost:
+                raise EPError(f"rank {self.rank}: shrink: lost_ranks is empty")
+        inactive = sorted(lost - set(self.active_ranks))
+        if inactive:
+            raise EPError(f"rank {self.rank}: shrink: rank(s) {inactive} are not active (active: "
+                          f"{list(self.active_ranks)})")
+        if self.rank in lost:
+            raise EPError(f"rank {self.rank}: shrink: a rank cannot drop itself (lost ranks {sorted(lost)})")
+        return sorted(lost)
+
     def close(self, reason: str = "closed") -> None:
         """Release backend resources and the control plane's gloo group.  Idempotent; not collective.
 
         A peer still waiting in a call on this communicator fails at once with an ``EPTimeoutError``
         that names this rank and quotes ``reason``.
         """
+        self._close(reason)
+
+    def _close(self, reason: str, because_of: Iterable[int] = ()) -> None:
+        """``close``; ``because_of``: ranks this rank leaves because they were lost (peers then name
+        them, not this rank, as the cause)."""
         if self._closed:
             return
         self._closed = True
         try:
             self._impl.close()
         finally:
-            self.control.close(reason)
+            self.control.close(reason, because_of=because_of)
 
     def __enter__(self) -> Communicator:
         return self
@@ -209,7 +298,9 @@ class Communicator:
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"layout={self.cfg.layout!r}, num_local_experts={self.num_local_experts})")
+                f"layout={self.cfg.layout!r}, num_local_experts={self.num_local_experts}"
+                + ("" if len(self.active_ranks) == self.world_size else f", active_ranks={list(self.active_ranks)}")
+                + ")")
 
     # -- helpers -------------------------------------------------------------------------------------
     def _before_call(self, return_recv_hook: bool) -> None:
