@@ -179,12 +179,28 @@ def _row_key(x_row: torch.Tensor, s_row: Optional[torch.Tensor]) -> bytes:
     return key
 
 
-def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[ExpectedRank]:
+def _active(world: int, active_ranks: Optional[Sequence[int]]) -> set[int]:
+    active = set(range(world)) if active_ranks is None else {int(r) for r in active_ranks}
+    if not active <= set(range(world)):
+        raise EPInputError(f"active_ranks {sorted(active)} outside [0, {world})")
+    return active
+
+
+def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput],
+                      active_ranks: Optional[Sequence[int]] = None) -> list[ExpectedRank]:
+    """What each rank must receive; ``inputs`` holds one entry per rank of the original world.
+
+    ``active_ranks`` (after ``Communicator.shrink``): the ranks still in.  The inputs of the others are
+    ignored (they send nothing) and their experts are removed from every route (nobody receives those
+    pairs); their entries in the result stay empty."""
     world = len(inputs)
     L = cfg.num_experts // world
+    active = _active(world, active_ranks)
     out = [ExpectedRank(collections.defaultdict(list), [collections.Counter() for _ in range(L)]) for _ in range(world)]
     nvfp4 = cfg.quant == "nvfp4"
-    for inp in inputs:
+    for src, inp in enumerate(inputs):
+        if src not in active:
+            continue
         # NVFP4 rows are known by their source bytes (cfg.dtype): a backend's quantiser may differ from
         # the reference at rounding ties, so received rows are matched by value, not by their bytes
         x, s = (inp.x.cpu(), None) if nvfp4 else wire_payload(cfg, inp)
@@ -196,7 +212,8 @@ def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[Expect
             key = _row_key(x[t], None if s is None else s[t])
             by_rank: dict[int, dict[int, float]] = collections.defaultdict(dict)
             for e, w in route.items():
-                by_rank[e // L][e % L] = w
+                if e // L in active:
+                    by_rank[e // L][e % L] = w
             for r, local in by_rank.items():
                 out[r].rows[key].append(local)
                 if nvfp4:
@@ -206,9 +223,14 @@ def expected_dispatch(cfg: EPConfig, inputs: Sequence[RankInput]) -> list[Expect
     return out
 
 
-def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput],
-                     expert_fn: ExpertFn = test_expert) -> list[torch.Tensor]:
-    """Per rank ``[T, hidden]`` float32: ``y[t] = Σ_e w_e · expert_fn(x[t], e)``; 0 without experts."""
+def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput], expert_fn: ExpertFn = test_expert,
+                     active_ranks: Optional[Sequence[int]] = None) -> list[torch.Tensor]:
+    """Per rank ``[T, hidden]`` float32: ``y[t] = Σ_e w_e · expert_fn(x[t], e)``; 0 without experts.
+
+    ``active_ranks``: as in ``expected_dispatch``: the sum runs over the experts of active ranks only,
+    and inactive ranks' entries are computed all the same (nobody compares them)."""
+    L = cfg.num_experts // len(inputs)
+    active = _active(len(inputs), active_ranks)
     outs = []
     for inp in inputs:
         x, s = wire_payload(cfg, inp)
@@ -217,9 +239,19 @@ def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput],
             gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
             xf = payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1], gs)
             for e, w in route.items():
-                y[t] += w * expert_fn(xf, e)[0]
+                if e // L in active:
+                    y[t] += w * expert_fn(xf, e)[0]
         outs.append(y)
     return outs
+
+
+def expected_inactive_pairs(cfg: EPConfig, inputs: Sequence[RankInput], active_ranks: Sequence[int]) -> list[int]:
+    """Per rank: how many (token, expert) pairs of its tokens (duplicates merged, -1 skipped) go to an
+    expert whose owner is not in ``active_ranks`` (``Dispatched.inactive_pairs``)."""
+    L = cfg.num_experts // len(inputs)
+    active = _active(len(inputs), active_ranks)
+    return [sum(1 for route in merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)
+                for e in route if e // L not in active) for inp in inputs]
 
 
 # -- what an engine does between dispatch and combine -----------------------------------------------------
