@@ -376,7 +376,7 @@ class OneSidedBackend(Backend):
 
     def _skipped_error(self) -> EPInputError:
         """The error of a dispatch every rank skipped because some rank's input was bad."""
-        code, bad = self.kernels.bad_verdicts()
+        code, bad = self.kernels.bad_verdicts(self.ctx.rank)
         what = {1: "input its host refused", 2: "topk_ids out of range", 3: "input its host refused"}
         ranks = "; ".join(f"rank {r}: {what.get(bits, 'bad input')}" for r, bits in sorted(bad.items()))
         return EPInputError(f"rank {self.ctx.rank}: {describe_code(code)} was skipped on every rank because of invalid "

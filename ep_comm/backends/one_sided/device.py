@@ -123,6 +123,9 @@ class Kernels:
         ids range-checked and every rank's verdict exchanged on the device, then an event.  The dispatch
         is launched behind it and the host waits on the event afterwards (``wait_verdict``), so the GPU
         never idles while the host decides, and every rank learns in this call whether it runs."""
+        # the words belong to the verdict queued last: a refusal's (never waited for) may still be
+        # running and would set them after this reset.  Otherwise the event has completed already.
+        self._verdict_done.synchronize()
         self.words[Pending.IDS_CHECK] = self.words[Pending.VERDICT] = 0
         self.ops.verdict(topk_ids, 0, False, self.state, self.peer_base, self.cfg)
         self._verdict_done.record(torch.cuda.current_stream(self.device))
@@ -131,6 +134,7 @@ class Kernels:
         """This rank's dispatch input failed the host's checks: give the peers a bad verdict for this
         call (their dispatch kernels skip it) and take the call number, launching no dispatch."""
         self.ops.verdict(None, 1, True, self.state, self.peer_base, self.cfg)
+        self._verdict_done.record(torch.cuda.current_stream(self.device))
 
     def wait_verdict(self) -> tuple[bool, bool]:
         """``(own_ids_bad, skipped)`` of the verdict queued last: one device-to-host synchronisation,
@@ -147,13 +151,15 @@ class Kernels:
             self._verdict_done.synchronize()
         return bool(self.words[Pending.IDS_CHECK]), bool(self.words[Pending.VERDICT])
 
-    def bad_verdicts(self) -> tuple[int, dict[int, int]]:
+    def bad_verdicts(self, rank: int) -> tuple[int, dict[int, int]]:
         """After a skipped call: its flag code and the ranks whose verdict was bad, with their verdict
-        bits (1: input the host refused, 2: ids out of range).  Synchronises (the error path only)."""
+        bits (1: input the host refused, 2: ids out of range).  Synchronises (the error path only).
+        The call is the one of ``rank``'s (this rank's) own latest verdict: a fast peer may already
+        have written its verdict for the next call into the other parity."""
         off, world = self.flags_offset, self.world
         rows = self.local[off: off + 4 * world * 8].view(torch.int64).view(4, world)[VERDICT_ROWS:].tolist()
         codes = [[v & 0xFFFFFFFF for v in row] for row in rows]
-        code = latest_code(*codes[0], *codes[1])
+        code = latest_code(codes[0][rank], codes[1][rank])
         bad = {}
         for r in range(world):
             for parity in (0, 1):

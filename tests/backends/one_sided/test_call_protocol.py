@@ -73,7 +73,7 @@ class RecordingKernels:
         self.log.append("wait_verdict")
         return not self._ids_ok, not self._ids_ok or bool(self.peer_bad)
 
-    def bad_verdicts(self) -> tuple[int, dict[int, int]]:
+    def bad_verdicts(self, rank: int) -> tuple[int, dict[int, int]]:
         return (7 << 2) | 1, dict(self.peer_bad)
 
     def fatal_pending(self) -> bool:

@@ -477,11 +477,11 @@ def mismatch_worker() -> str:
         inp = oracle.random_inputs(cfg, world, 9)[rank].to(comm.device)
         d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
         t0 = time.monotonic()
-        if rank == 0:
-            comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-        else:
-            comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
-        try:
+        try:  # the eager validated dispatch finds it itself (its input verdict never comes)
+            if rank == 0:
+                comm.combine(oracle.run_experts(cfg, rank, world, d), d)
+            else:
+                comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
             comm.check_errors()
             return "no error"
         except ep_comm.EPError as exc:
@@ -561,11 +561,13 @@ def bad_input_recovery_worker(backend: str = "mnnvl", layout: str = "batched", z
                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank]))
 
     def faulty(what: str, bad_rank: int, make, own: str, hooks: bool = False) -> None:
-        """A dispatch whose input on ``bad_rank`` is ``make(mine)``; every rank must raise now."""
+        """A dispatch whose input on ``bad_rank`` (-1: every rank) is ``make(mine)``; every rank must
+        raise now."""
         mine = oracle.random_inputs(cfg, world, next(seed))[rank].to(comm.device)
-        x, ids, w = make(mine) if rank == bad_rank else (mine.x, mine.topk_ids, mine.topk_weights)
+        bad_here = bad_rank in (rank, -1)
+        x, ids, w = make(mine) if bad_here else (mine.x, mine.topk_ids, mine.topk_weights)
         t0 = time.monotonic()
-        needles = (own,) if rank == bad_rank else (f"peer rank(s) [{bad_rank}]", "stays usable")
+        needles = (own,) if bad_here else (f"peer rank(s) [{bad_rank}]", "stays usable")
         _expect_error(problems, what, lambda: comm.dispatch(x, ids, w, return_recv_hook=hooks), *needles)
         if time.monotonic() - t0 > 30:
             problems.append(f"{what}: the error took {time.monotonic() - t0:.1f}s (timeout_s=60)")
@@ -593,6 +595,7 @@ def bad_input_recovery_worker(backend: str = "mnnvl", layout: str = "batched", z
         faulty("rank 0's out-of-range id", 0, bad_id, f"= {cfg.num_experts + 4}")
         faulty(f"rank {last}'s token too many", last, one_too_many, "max_tokens_per_rank")
         faulty("rank 0's hidden size", 0, other_hidden, "hidden")
+        faulty("every rank's hidden size", -1, other_hidden, "hidden")  # every rank refuses at once
         faulty(f"rank {last}'s out-of-range id, receive hooks", last, bad_id, f"= {cfg.num_experts + 4}", hooks=True)
         # a combine with expert outputs of the wrong width on rank 1 % world
         bad_rank = 1 % world
