@@ -72,6 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-ids", choices=("on", "off"), default="on",
                    help="EPConfig.validate_ids (default: on); off: bad ids are sent as -1 and raised by a later "
                         "call or check_errors()")
+    p.add_argument("--kill", action="store_true",
+                   help="kill one rank with SIGKILL in the middle of an iteration; the survivors must raise "
+                        "EPTimeoutError naming it in lost_ranks, shrink every communicator and run the remaining "
+                        "iterations over the survivors (ranks spawned by ep-comm itself: torchrun, mpirun and srun "
+                        "end the job when a rank dies)")
+    p.add_argument("--kill-rank", type=int, default=None, metavar="R",
+                   help="with --kill: the rank killed (default: drawn from --seed)")
+    p.add_argument("--kill-at", type=int, default=None, metavar="K",
+                   help="with --kill: the iteration it dies in (default: drawn from --seed, in the middle half of "
+                        "the run)")
 
 
 def check_arguments(args: argparse.Namespace) -> Optional[str]:
@@ -81,7 +91,52 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         args.fault_rate = DEFAULT_RATE
     if not 0.0 < args.fault_rate <= 1.0:
         return f"--fault-rate must be in (0, 1], got {args.fault_rate}"
+    return check_kill_arguments(args)
+
+
+def check_kill_arguments(args: argparse.Namespace) -> Optional[str]:
+    if not getattr(args, "kill", False):
+        if getattr(args, "kill_rank", None) is not None or getattr(args, "kill_at", None) is not None:
+            return "--kill-rank and --kill-at need --kill"
+        return None
+    from .launcher import default_nproc, external_launch
+
+    launched = external_launch()
+    if launched is not None:
+        return (f"--kill needs ranks started by ep-comm itself (--nproc): {launched.launcher} ends the whole job "
+                "when one rank dies")
+    world = args.nproc if args.nproc is not None else default_nproc()
+    if world < 2:
+        return "--kill needs at least 2 ranks (one to kill, one to go on)"
+    if args.kill_rank is not None and not 0 <= args.kill_rank < world:
+        return f"--kill-rank must be in [0, {world}), got {args.kill_rank}"
+    if args.kill_at is not None and not args.start <= args.kill_at < args.start + args.iters:
+        return f"--kill-at must be one of the run's iterations [{args.start}, {args.start + args.iters}), got " \
+               f"{args.kill_at}"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """The rank killed, the iteration it dies in, and when in that iteration (a fraction of an
+    iteration's mean duration after it starts; it dies at the iteration's last call at the latest)."""
+
+    rank: int
+    iteration: int
+    fraction: float
+
+
+def plan_kill(args: argparse.Namespace, world: int) -> Optional[Kill]:
+    """``--kill``'s plan from ``--seed`` (and ``--kill-rank`` / ``--kill-at``), the same in every process."""
+    if not getattr(args, "kill", False):
+        return None
+    rng = random.Random(f"ep-comm-stress-kill:{args.seed}")
+    rank = rng.randrange(world)  # every draw is made, so --kill-rank leaves the iteration drawn as it was
+    lo = args.start + args.iters // 4
+    iteration = rng.randint(lo, max(lo, args.start + (3 * args.iters) // 4 - 1))
+    fraction = rng.random()
+    return Kill(args.kill_rank if args.kill_rank is not None else rank,
+                args.kill_at if args.kill_at is not None else iteration, fraction)
 
 
 def validating(args: argparse.Namespace) -> bool:
@@ -120,14 +175,18 @@ class Fault:
         return f"fault {self.kind} on rank(s) {list(self.ranks)}: {what}{tail}"
 
 
-def plan_fault(args: argparse.Namespace, iteration: int, world: int, num_experts: int) -> Optional[Fault]:
+def plan_fault(args: argparse.Namespace, iteration: int, world: int, num_experts: int,
+               active: Optional[Sequence[int]] = None) -> Optional[Fault]:
     """The iteration's fault or None, from ``(seed, iteration)`` only (every draw is made whatever the
-    outcome, so the stream does not depend on the kind)."""
+    outcome, so the stream does not depend on the kind).  ``active``: the ranks a fault may fall on
+    (after a shrink; default every rank, which draws the same stream as ``range(world)``)."""
+    pool = list(range(world)) if active is None else sorted(active)
     rng = random.Random(f"ep-comm-stress-faults:{args.seed}:{iteration}")
     faulty = rng.random() < args.fault_rate
     kind = rng.choice(KINDS)
-    count = 1 if world == 1 or rng.random() < 0.75 else rng.randint(2, world)
-    ranks = tuple(sorted(rng.sample(range(world), count)))
+    n = len(pool)
+    count = 1 if n == 1 or rng.random() < 0.75 else rng.randint(2, n)
+    ranks = tuple(sorted(rng.sample(pool, count)))
     value = rng.choice((-2, -2**31, num_experts, 2**31 - 1, -3 - rng.randrange(1000),
                         num_experts + 1 + rng.randrange(1000)))
     report = rng.choice(REPORT_PATHS)
@@ -246,10 +305,15 @@ def attempt(comm, fault: Fault, rank: int, world: int, inputs: Sequence[oracle.R
     trace = Trace([], [], 0.0)
     # results are defined where nothing is refused: a combine fault's dispatch, and bad ids sent as -1
     checked = fault.stage == "combine" or fault.lenient(validate)
+    active = list(getattr(comm, "active_ranks", range(world)))
     if checked:
         clean = sanitized(inputs, cfg.num_experts)
-        expected_d = oracle.expected_dispatch(cfg, clean)[rank]
-        expected_y = oracle.expected_combine(cfg, [clean[rank]])[0]
+        if len(active) == world:
+            expected_d = oracle.expected_dispatch(cfg, clean)[rank]
+            expected_y = oracle.expected_combine(cfg, [clean[rank]])[0]
+        else:  # after a shrink: the experts of inactive ranks are removed
+            expected_d = oracle.expected_dispatch(cfg, clean, active)[rank]
+            expected_y = oracle.expected_combine(cfg, clean, active_ranks=active)[rank]
     mine = inputs[rank].to(comm.device)
     d = _answered(trace, "dispatch", lambda: comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales))
     if isinstance(d, Dispatched):
@@ -326,10 +390,13 @@ def precise_words(fault: Fault, validate: bool) -> tuple[str, ...]:
     return (*words, str(fault.value)) if fault.kind == "bad_id" and validate else words
 
 
-def judge(fault: Fault, traces: Sequence[Trace], validate: bool, op_timeout: float) -> list[tuple[int, str]]:
-    """``(rank, problem)`` for every way a rank's answer differs from what the contract says."""
+def judge(fault: Fault, traces: Sequence[Trace], validate: bool, op_timeout: float,
+          ranks: Optional[Sequence[int]] = None) -> list[tuple[int, str]]:
+    """``(rank, problem)`` for every way a rank's answer differs from what the contract says.
+    ``ranks``: the rank of each trace (after a shrink: the active ranks; default their index)."""
     out: list[tuple[int, str]] = []
-    for r, tr in enumerate(traces):
+    for i, tr in enumerate(traces):
+        r = i if ranks is None else ranks[i]
         faulty = r in fault.ranks
         out += [(r, f"faulty call's results: {p}") for p in tr.problems]
         if tr.seconds > op_timeout:
@@ -376,10 +443,12 @@ class Counts:
 
 
 def verdicts(fault: Fault, everyone: Sequence[Sequence[tuple]], counts: dict[tuple[str, str], Counts], validate: bool,
-             op_timeout: float) -> tuple[list, list]:
+             op_timeout: float, ranks: Optional[Sequence[int]] = None) -> tuple[list, list]:
     """Every variant's verdict on the fault, the same on every rank (it reads only the gathered records
     ``[(backend, layout, problems, trace)]`` per rank), added to ``counts``.  Returns the wrong answers as
-    ``(rank, backend, layout, [problem])`` and the variants whose next call raised, with each rank's error."""
+    ``(rank, backend, layout, [problem])`` and the variants whose next call raised, with each rank's error.
+    ``ranks``: the rank of each entry of ``everyone`` (as in ``judge``)."""
+    label = (lambda i: i) if ranks is None else (lambda i: ranks[i])
     traces: dict[tuple[str, str], list[Trace]] = {}
     for recs in everyone:
         for backend, layout, _, trace in recs:
@@ -389,10 +458,10 @@ def verdicts(fault: Fault, everyone: Sequence[Sequence[tuple]], counts: dict[tup
     for variant, per_rank in traces.items():
         c = counts[variant]
         c.injected += 1
-        problems = judge(fault, per_rank, validate, op_timeout)
+        problems = judge(fault, per_rank, validate, op_timeout, ranks)
         c.wrong += bool(problems)
         wrong += [(r, *variant, [f"fault: {p}"]) for r, p in problems]
-        errors = [(r, t.recovery_error) for r, t in enumerate(per_rank) if t.recovery_error]
+        errors = [(label(i), t.recovery_error) for i, t in enumerate(per_rank) if t.recovery_error]
         if errors:
             c.new_comm += 1
             c.lost.append(fault)

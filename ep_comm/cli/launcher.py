@@ -6,7 +6,8 @@ every rank.  ``run_ranks`` decides how those ranks come to exist:
 * started by torchrun / mpirun / srun with a world size > 1 (``read_launch_env``): this process *is*
   one rank, so the worker runs here and its return value becomes the process's exit code;
 * otherwise: ``--nproc N`` local ranks are spawned with ``spawn_local`` (torchrun-style environment),
-  the parent waits, reports ranks that raised, and exits non-zero if any rank failed.
+  the parent waits, reports ranks that raised, and exits non-zero if any rank failed.  A rank that a
+  run plans to kill (``ep-comm stress --kill``) and that dies of SIGKILL is no failure.
 
 Workers print only on rank 0, so output appears once however the job was started.  They also agree on
 their exit code (``agree_exit_code``) so that under an external launcher every rank exits with the
@@ -19,7 +20,7 @@ import datetime
 import os
 import sys
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -87,6 +88,11 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
 
     from ..distributed.spawn import spawn_local
 
+    victim = planned_victim(args, nproc)
+    if victim is not None:
+        # the survivors go on for the rest of the run after the planned death, so it must not start the
+        # countdown that kills them; their own typed errors (and --timeout) still end a failing run
+        failure_grace_s = None
     # torch (97% of a rank's import time) is imported once in a fork server, not once per rank; only
     # torch: importing it never initialises CUDA, so forking after it is safe (ep_comm modules could)
     results = spawn_local(_spawned_entry, nproc, (worker, args), timeout_s=timeout_s,
@@ -94,6 +100,9 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
                           failure_grace_s=failure_grace_s)
     code = 0
     for res in results:
+        if res.rank == victim and planned_death(res):
+            print(f"note: rank {res.rank} was killed with SIGKILL as planned (--kill)", file=sys.stderr)
+            continue
         if res.ok:
             code = max(code, int(res.value or 0))
             continue
@@ -103,6 +112,21 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
             print(res.traceback.rstrip(), file=sys.stderr)
     sys.stderr.flush()
     return code
+
+
+def planned_victim(args: Any, world: int) -> Optional[int]:
+    """The rank this run kills itself (``ep-comm stress --kill``), else None."""
+    from .faults import plan_kill
+
+    kill = plan_kill(args, world) if getattr(args, "kill", False) else None
+    return None if kill is None else kill.rank
+
+
+def planned_death(res: Any) -> bool:
+    """Whether a spawned rank died of its own SIGKILL, not of the launcher's (its timeout kills too)."""
+    import signal
+
+    return res.exitcode == -signal.SIGKILL and not res.ok and "killed by the launcher" not in (res.error or "")
 
 
 def _spawned_entry(worker: Worker, args: Any) -> int:
@@ -272,31 +296,51 @@ class PeerWatch:
     ``poll_s``; once one is gone it gives the rank ``grace_s`` to end on its own, then prints the
     typed error and ends the process with exit code 1.  ``stop()`` it before the ranks leave normally
     (a peer that finished first is not a failure).
+
+    ``expected``: ranks whose death is planned (``ep-comm stress --kill``): the survivors do not end but
+    raise, shrink and go on, so for those the rank gets ``expected_grace_s`` to get there, after which
+    ``rebind`` to the survivors' control plane (where the dead rank is no member) ends the wait.
     """
 
-    def __init__(self, control: Any, label: str, grace_s: float, poll_s: float = 0.5):
+    def __init__(self, control: Any, label: str, grace_s: float, poll_s: float = 0.5,
+                 expected: Iterable[int] = (), expected_grace_s: Optional[float] = None):
         import threading
 
         self._control, self._label, self._grace_s, self._poll_s = control, label, grace_s, poll_s
+        self._expected = set(expected)
+        self._expected_grace_s = grace_s if expected_grace_s is None else expected_grace_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ep-comm-peer-watch", daemon=True)
         self._thread.start()
 
+    def rebind(self, control: Any) -> None:
+        """Watch ``control``'s members from now on (after a shrink: the survivors)."""
+        self._control = control
+
     def _run(self) -> None:
+        import time
+
         while not self._stop.wait(self._poll_s):
-            lost = self._control.lost_peers(use_store=False)
+            control = self._control
+            lost = control.lost_peers(use_store=False)
             if not lost:
                 continue
-            if self._stop.wait(self._grace_s):
-                return
+            grace = self._expected_grace_s if set(lost) <= self._expected else self._grace_s
+            deadline = time.monotonic() + grace
+            while self._control is control and time.monotonic() < deadline:
+                if self._stop.wait(min(self._poll_s, max(0.0, deadline - time.monotonic()))):
+                    return
+            if self._control is not control:
+                continue  # rebound to the survivors: look again there
             from ..errors import EPTimeoutError
 
+            me = getattr(control, "me", control.rank)
             gone = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(lost.items()))
             err = EPTimeoutError(
-                f"rank {self._control.rank}: {gone}; this rank did not finish within {self._grace_s:g} s after "
+                f"rank {me}: {gone}; this rank did not finish within {grace:g} s after "
                 "that and is ending itself",
                 missing_ranks=lost, lost_ranks=lost)
-            print(f"{self._label}: rank {self._control.rank}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            print(f"{self._label}: rank {me}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             os._exit(1)  # no cleanup on purpose: it is what we are stuck in
 
     def stop(self) -> None:

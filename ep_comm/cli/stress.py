@@ -15,13 +15,27 @@ problem strings) is printed with a command that replays it, and the exit code is
 what every rank must answer); the summary then counts per variant the faults injected, those answered
 wrongly, those survived in place and those that needed a new communicator.  A fault not survived in
 place fails the run, though the run goes on with a new communicator.
+
+``--kill`` (with or without ``--faults``) kills one rank with SIGKILL in the middle of one iteration
+(``ep_comm.cli.faults``: which rank and when): every survivor must raise ``EPTimeoutError`` naming it in
+``lost_ranks``; then each calls ``shrink()`` on every communicator and on the results' control plane
+and the run goes on over the survivors, every valid result compared with the oracle over the active
+ranks and ``Dispatched.inactive_pairs`` with the oracle's count.  A variant whose backend cannot
+shrink here (``EPError``: the collective backends on CUDA) is reported and dropped.  The summary says
+who died when, how long the survivors took to raise and to shrink, and what ran after; the killed
+rank's death is no failure.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import random
+import signal
 import sys
+import tempfile
+import threading
 import time
 from typing import Any, Optional, Union
 
@@ -130,7 +144,9 @@ class InjectedError(RuntimeError):
 def worker(args: argparse.Namespace) -> int:
     env = setup_rank(max(300.0, 3 * args.op_timeout))
     try:
-        return agree_exit_code(env, _stress(env, args))
+        code = _stress(env, args)
+        # after a kill the default group holds a dead rank: the survivors agreed over their own plane
+        return code if getattr(args, "kill", False) else agree_exit_code(env, code)
     finally:
         teardown()
 
@@ -146,6 +162,157 @@ class Stats:
     failures: int = 0
     seconds: float = 0.0
     faults: faults.Counts = dataclasses.field(default_factory=faults.Counts)
+
+
+@dataclasses.dataclass
+class KillAnswer:
+    """One survivor's side of the kill (picklable: gathered over the survivors after the shrink)."""
+
+    rank: int
+    error: str  # the class of what it raised
+    message: str
+    lost_ranks: list[int]
+    where: str  # what this rank was doing when it raised
+    raise_s: Optional[float]  # after the kill (the victim's record, same host only), else None
+    since_iteration_s: float  # after this rank started the kill's iteration
+    shrink_s: float  # every shrink, the results plane's included (waiting for the other survivors)
+    problems: list[str]  # active_ranks of a shrunk communicator other than the survivors
+
+    def wrong(self, victim: int) -> list[str]:
+        out = list(self.problems)
+        if self.error != "EPTimeoutError" or sorted(self.lost_ranks) != [victim]:
+            out.append(f"raised {self.error} with lost_ranks {self.lost_ranks}, expected EPTimeoutError with "
+                       f"lost_ranks [{victim}]: {self.message[:300]}")
+        return out
+
+
+@dataclasses.dataclass
+class KillOutcome:
+    """The kill as the survivors saw it, the same on every survivor."""
+
+    kill: faults.Kill
+    answers: list[KillAnswer]
+    dropped: dict[tuple[str, str], str]  # variants that could not shrink here, with the error
+    killed_in: Optional[str]  # what the victim was doing (its record; None when unreadable here)
+    variants: int = 0  # variants that went on
+    iterations: int = 0  # after the kill
+    failing: int = 0
+    faults: int = 0
+
+    @property
+    def survivors(self) -> list[int]:
+        return [a.rank for a in self.answers]
+
+    def wrong(self) -> list[tuple[int, str]]:
+        return [(a.rank, p) for a in self.answers for p in a.wrong(self.kill.rank)]
+
+
+#: what this rank is doing, read by the kill's timer thread when it fires (the summary says where the
+#: victim died)
+_WHERE = ["between calls"]
+
+
+def _at(what: str) -> None:
+    _WHERE[0] = what
+
+
+class _KillSwitch:
+    """The victim's end: SIGKILL to itself after a delay or at once, leaving a record of when and
+    where for the survivors on this host (a file named by the results plane's token)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def arm(self, delay_s: float) -> None:
+        timer = threading.Timer(delay_s, self.fire)
+        timer.daemon = True
+        timer.start()
+
+    def fire(self) -> None:
+        record = json.dumps({"time": time.time(), "where": _WHERE[0]})
+        try:
+            with open(self.path + ".tmp", "w") as f:
+                f.write(record)
+            os.replace(self.path + ".tmp", self.path)
+        except OSError:  # the survivors then time from the iteration's start
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_record_path(plane: ControlPlane) -> str:
+    return os.path.join(tempfile.gettempdir(), f"ep_comm_stress_kill_{plane.token}.json")
+
+
+def _read_kill_record(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _shrunk(comm: Communicator, lost: list[int]) -> Communicator:
+    """``comm.shrink()`` as an engine calls it; where this communicator has not seen the loss and
+    cannot see it now (a peer on another host), the ranks every survivor drops alike."""
+    try:
+        return comm.shrink()
+    except EPTimeoutError:
+        raise
+    except EPError as exc:
+        if "no rank is known to be lost" not in str(exc):
+            raise
+        return comm.shrink(lost)
+
+
+def _survive_kill(env: RankEnv, args: argparse.Namespace, kill: faults.Kill, exc: EPTimeoutError, t_iter: float,
+                  comms: dict, variants: list, plane: ControlPlane) -> tuple[ControlPlane, KillOutcome]:
+    """A survivor after the kill's error: shrink the results plane and every communicator (in the same
+    order on every survivor: each shrink is collective over them), drop the variants that cannot
+    shrink, and agree on what happened."""
+    t_raise = time.time()
+    where = _WHERE[0]
+    record_path = _kill_record_path(plane)
+    lost = [kill.rank]
+    new_plane = plane.shrink(lost)
+    plane.close(f"shrunk to ranks {new_plane.labels}", because_of=lost)
+    survivors = list(new_plane.labels)
+    dropped: dict[tuple[str, str], str] = {}
+    problems: list[str] = []
+    for key in sorted(comms, key=lambda k: (k[0], k[1], k[2] or "")):
+        variant = key[:2]
+        if variant in dropped:
+            comms.pop(key).close("its variant could not shrink")
+            continue
+        try:
+            comms[key] = new = _shrunk(comms[key], lost)
+        except EPTimeoutError:
+            raise
+        except EPError as err:
+            # alike on every survivor (the backend refuses after the survivors met): drop the variant
+            dropped[variant] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            comms.pop(key).close("it could not shrink")
+            continue
+        if list(new.active_ranks) != survivors:
+            problems.append(f"{key[0]}/{key[1]}: active_ranks {list(new.active_ranks)} after shrink(), expected "
+                            f"{survivors}")
+    for key in [k for k in comms if k[:2] in dropped]:
+        comms.pop(key).close("its variant could not shrink")
+    for variant in dropped:
+        variants.remove(variant)
+    shrink_s = time.time() - t_raise
+    record = _read_kill_record(record_path)
+    answer = KillAnswer(env.rank, type(exc).__name__, str(exc), sorted(exc.lost_ranks), where,
+                        None if record is None else t_raise - float(record["time"]), t_raise - t_iter, shrink_s,
+                        problems)
+    gathered = new_plane.gather_objects((answer, None if record is None else str(record["where"])))
+    if new_plane.me == survivors[0] and record is not None:
+        try:
+            os.remove(record_path)
+        except OSError:
+            pass
+    lead_dropped = new_plane.gather_objects(dropped)[0]  # the same everywhere; the lead's is the record
+    killed_in = next((w for _, w in gathered if w is not None), None)
+    return new_plane, KillOutcome(kill, [a for a, _ in gathered], lead_dropped, killed_in, variants=len(variants))
 
 
 def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[dict, list[str], int]:
@@ -191,6 +358,10 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         say(env, f"error: --experts {args.experts} is not divisible by the world size {world}")
         return 2
     fp8_ok = args.hidden % FP8_BLOCK == 0
+    kill = faults.plan_kill(args, world)
+    if kill is not None and not 0 <= kill.rank < world:
+        say(env, f"error: --kill-rank {kill.rank} is not a rank of the {world}")
+        return 2
     # the per-iteration gather of results goes over a control plane too: a peer that dies there is
     # named in a typed error within --op-timeout instead of hanging in the default group.  A faulty
     # iteration may keep a rank in up to three bounded waits (the fault, the next call, a new
@@ -207,56 +378,104 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
             say(env, "error: a requested backend is not usable" if comms else "error: no requested backend is usable")
             return code or 2
         # a survivor stuck where no error reaches it (a device sync behind a dead peer's NCCL kernel)
-        # ends itself; on CPU the pending gloo call fails at once, so there it is only a late backstop
+        # ends itself; on CPU the pending gloo call fails at once, so there it is only a late backstop.
+        # The planned victim's death gives the survivors time to raise (kernel backends: timeout_s + a
+        # few s) and to meet for the shrink (up to 2 x timeout_s + 5 s each)
         watch = PeerWatch(results_plane, "ep-comm stress",
-                          grace_s=2.0 if env.device.type == "cuda" else args.op_timeout + 5)
+                          grace_s=2.0 if env.device.type == "cuda" else args.op_timeout + 5,
+                          expected=() if kill is None else (kill.rank,), expected_grace_s=6 * args.op_timeout + 60)
         variants = sorted({(b, lay) for b, lay, _ in comms})
         say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
                  f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
                  f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
                  + ", ".join(f"{b}/{lay}" for b, lay in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)")
                  + (f"; faults in {args.fault_rate:g} of the iterations, validate_ids {args.validate_ids}"
-                    if args.faults else ""))
+                    if args.faults else "")
+                 + (f"; rank {kill.rank} is killed in iteration {kill.iteration}" if kill is not None else ""))
         stats = {v: Stats() for v in variants}
         failed_cases: list[tuple[Case, list]] = []
         injected: list[faults.Fault] = []
         shown: set = set()  # variants whose first fault not survived in place was printed
-        progress = _Progress(args.iters, enabled=env.is_root)
+        active = list(range(world))
+        lead = env.is_root  # prints: rank 0, or the lowest survivor once rank 0 is killed
+        outcome: Optional[KillOutcome] = None
+        switch = _KillSwitch(_kill_record_path(results_plane)) if kill is not None and env.rank == kill.rank else None
+        progress = _Progress(args.iters, enabled=lead)
         t_start = time.perf_counter()
         for it in range(args.start, args.start + args.iters):
-            if not variants:  # every variant was dropped (no new communicator after a fault)
+            if not variants:  # every variant was dropped (no new communicator after a fault, or no shrink)
                 break
             case = plan(args, it, world, fp8_ok)
-            fault = faults.plan_fault(args, it, world, args.experts) if args.faults else None
-            records = _run_case(env, args, comms, variants, case, stats, fault)
-            everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems], trace)] per rank
-            bad = [(r, b, lay, ps) for r, recs in enumerate(everyone) for b, lay, ps, _ in recs if ps]
+            killing = kill is not None and outcome is None and it == kill.iteration
+            fault = faults.plan_fault(args, it, world, args.experts, active) if args.faults and not killing else None
+            records: list = []
+            t_iter = time.time()
+            if killing and switch is not None and kill is not None:
+                done = it - args.start
+                switch.arm(kill.fraction * ((time.perf_counter() - t_start) / done if done else 0.01))
+            try:
+                _run_case(env, args, comms, variants, case, stats, fault, active, records)
+                if killing and switch is not None:
+                    switch.fire()  # the timer has not fired yet: die before this iteration's results are shared
+                _at("the results gather")
+                everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems], trace)] per rank
+            except EPTimeoutError as exc:
+                if not killing or kill is None:
+                    raise
+                results_plane, outcome = _survive_kill(env, args, kill, exc, t_iter, comms, variants, results_plane)
+                watch.rebind(results_plane)
+                active = list(results_plane.labels)
+                if results_plane.me == active[0] and not lead:
+                    lead = progress.enabled = True
+                    progress.done = it - args.start
+                if lead:
+                    progress.clear()
+                    _print_kill(outcome)
+                everyone = results_plane.gather_objects(records)
+            labels = results_plane.labels
+            bad = [(labels[i], b, lay, ps) for i, recs in enumerate(everyone) for b, lay, ps, _ in recs if ps]
             wrong: list = []
             if fault is not None:
                 injected.append(fault)
                 counts = {v: st.faults for v, st in stats.items()}
-                wrong, renew = faults.verdicts(fault, everyone, counts, faults.validating(args), args.op_timeout)
+                wrong, renew = faults.verdicts(fault, everyone, counts, faults.validating(args), args.op_timeout,
+                                               labels)
                 fresh = [(v, errors) for v, errors in renew if v not in shown]
-                if fresh and env.is_root:
+                if fresh and lead:
                     progress.clear()
                     _print_not_survived(env, args, fault, fresh)
                 shown.update(v for v, _ in renew)
                 if renew:
-                    again = _renew(env, args, comms, variants, [v for v, _ in renew], case)
-                    bad += [(r, b, lay, ps) for r, recs in enumerate(results_plane.gather_objects(again))
+                    again = _renew(env, args, comms, variants, [v for v, _ in renew], case, active)
+                    bad += [(labels[i], b, lay, ps) for i, recs in enumerate(results_plane.gather_objects(again))
                             for b, lay, ps in recs if ps]
             for variant in {(b, lay) for _, b, lay, _ in bad}:
                 stats[variant].failures += 1
             failing = bool(bad or wrong)
+            if outcome is not None and it > outcome.kill.iteration:
+                outcome.iterations += 1
+                outcome.failing += failing
+                outcome.faults += fault is not None
             progress.update(len(failed_cases) + failing)
             if failing:
                 failed_cases.append((case, bad + wrong))
-                if env.is_root:
+                if lead:
                     progress.clear()
                     _print_failure(env, args, case, fault, bad, wrong)
                 if not args.keep_going:
                     break
         watch.stop()  # from here on, a peer that finished first and exited is no failure
+        if progress is not None:
+            progress.close()
+        elapsed = time.perf_counter() - t_start
+        if lead:
+            _print_summary(env, args, stats, failed_cases, elapsed, injected, kill, outcome)
+        not_survived = any(st.faults.new_comm for st in stats.values())
+        kill_failed = kill is not None and (outcome.wrong() if outcome is not None else not failed_cases)
+        code = 1 if failed_cases or not_survived or kill_failed else 0
+        if kill is not None:
+            code = max(int(c) for c in results_plane.gather_objects(code))
+        return code
     except BaseException as exc:
         # a lost peer (EPTimeoutError) or a bug here: this rank fails, and the reason it leaves with
         # reaches the peers still waiting on it
@@ -268,24 +487,20 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         for comm in comms.values():
             comm.close(reason)
         results_plane.close(reason)
-    elapsed = time.perf_counter() - t_start
-    if env.is_root:
-        _print_summary(env, args, stats, failed_cases, elapsed, injected)
-    not_survived = any(st.faults.new_comm for st in stats.values())
-    return 1 if failed_cases or not_survived else 0
 
 
 def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: Case, stats: dict,
-              fault: Optional[faults.Fault] = None) -> list[tuple[str, str, list[str], Optional[faults.Trace]]]:
-    """Every variant on this case (after the fault, if any); returns this rank's (backend, layout,
-    problems, fault trace) records."""
+              fault: Optional[faults.Fault], active: list[int],
+              records: list[tuple[str, str, list[str], Optional[faults.Trace]]]) -> None:
+    """Every variant on this case (after the fault, if any); appends this rank's (backend, layout,
+    problems, fault trace) records to ``records`` as each variant ends (a call that raises leaves
+    those of the variants before it)."""
     rank, world = env.rank, env.world_size
     cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
     inputs = _case_inputs(cfg, case)
-    expected = _expected(cfg, inputs, rank)
+    expected = _expected(cfg, inputs, rank, active)
     mine = inputs[rank].to(env.device)
     bad_inputs = faults.faulty_inputs(cfg, inputs, fault) if fault is not None else []
-    records = []
     for i, (backend, layout) in enumerate(variants):
         comm = comms[(backend, layout, case.quant)]
         st = stats[(backend, layout)]
@@ -300,35 +515,58 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         if fault is None:
             problems = _checked_call(env, args, comm, case, i, mine, expected)
         else:
+            _at(f"{backend}/{layout} faulty call")
             trace = faults.attempt(comm, fault, rank, world, bad_inputs, faults.validating(args))
             problems = _after_fault(env, args, comm, case, i, mine, expected, fault, trace)
         st.seconds += time.perf_counter() - t0
         records.append((backend, layout, problems, trace))
-    return records
 
 
-def _expected(cfg: EPConfig, inputs: list[oracle.RankInput], rank: int) -> tuple[oracle.ExpectedRank, torch.Tensor]:
-    """This rank's expected dispatch and combine (a rank's combine output needs only its own inputs)."""
-    return oracle.expected_dispatch(cfg, inputs)[rank], oracle.expected_combine(cfg, [inputs[rank]])[0]
+def _expected(cfg: EPConfig, inputs: list[oracle.RankInput], rank: int,
+              active: list[int]) -> tuple[oracle.ExpectedRank, torch.Tensor, Optional[int]]:
+    """This rank's expected dispatch, combine and ``inactive_pairs`` (None while every rank is active;
+    then a rank's combine output needs only its own inputs)."""
+    if len(active) == len(inputs):
+        return oracle.expected_dispatch(cfg, inputs)[rank], oracle.expected_combine(cfg, [inputs[rank]])[0], None
+    return (oracle.expected_dispatch(cfg, inputs, active)[rank],
+            oracle.expected_combine(cfg, inputs, active_ranks=active)[rank],
+            oracle.expected_inactive_pairs(cfg, inputs, active)[rank])
 
 
 def _valid_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
                 mine: oracle.RankInput, expected: tuple) -> list[str]:
     """One dispatch + combine of the case on ``comm``, compared with the oracle; the library's errors pass."""
     rank, world = env.rank, env.world_size
-    expected_d, expected_y = expected
+    expected_d, expected_y, expected_pairs = expected
+    tag = f"{comm.backend}/{comm.cfg.layout}"
     # every other iteration x is written into the input buffer (kernel backends: sent in place)
     x = written_to_input_buffer(comm, mine.x) if comm.cfg.zero_copy and case.iteration % 2 else mine.x
+    _at(f"{tag} dispatch")
     d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
+    _at(f"{tag} checking the dispatch")
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
+    problems += _inactive_pairs_problems(d, expected_pairs)
     if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
         raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "
                             f"between dispatch and combine, at unix time {time.time():.3f}")
-    y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
+    expert_out = oracle.run_experts(comm.cfg, rank, world, d)
+    _at(f"{tag} combine")
+    y = comm.combine(expert_out, d)
+    _at(f"{tag} checking the combine")
     if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
         y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
     problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
     return problems
+
+
+def _inactive_pairs_problems(d: Any, expected: Optional[int]) -> list[str]:
+    got = getattr(d, "inactive_pairs", None)
+    if expected is None:
+        return [] if got is None else [f"dispatch: inactive_pairs is {got!r} while every rank is active"]
+    if not isinstance(got, torch.Tensor) or got.dim() != 0 or got.dtype != torch.int64:
+        return [f"dispatch: inactive_pairs is {got!r}, expected a 0-dim int64 tensor holding {expected}"]
+    count = int(got)
+    return [] if count == expected else [f"dispatch: inactive_pairs {count}, expected {expected}"]
 
 
 def _checked_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
@@ -374,19 +612,27 @@ def _attempt(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: C
 
 
 def _renew(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, renew: list,
-           case: Case) -> list[tuple[str, str, list[str]]]:
+           case: Case, active: list[int]) -> list[tuple[str, str, list[str]]]:
     """Replace the communicators that did not survive the fault (closed, then created again: collective,
     in the same order on every rank) and make the case's valid call on each; returns this rank's
-    (backend, layout, problems) records."""
+    (backend, layout, problems) records.  After a kill no new communicator can be made (creating one
+    is collective over the default group, dead rank included): the variant is dropped."""
     cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
     inputs = _case_inputs(cfg, case)
-    expected = _expected(cfg, inputs, env.rank)
+    expected = _expected(cfg, inputs, env.rank, active)
     mine = inputs[env.rank].to(env.device)
     records = []
     for backend, layout in renew:
         key = (backend, layout, case.quant)
         old = comms.pop(key)
         old.close("closed after a fault it did not survive")
+        if len(active) < env.world_size:
+            records.append((backend, layout, ["no new communicator after the fault: a rank was killed, and a new "
+                                              "one needs every rank of the default group; variant dropped"]))
+            for k in [k for k in comms if k[:2] == (backend, layout)]:
+                comms.pop(k).close("its variant was dropped")
+            variants.remove((backend, layout))
+            continue
         try:
             comms[key] = _new_comm(dataclasses.replace(old.cfg, backend=backend))
         except EPTimeoutError:
@@ -430,8 +676,15 @@ def _case_inputs(cfg: EPConfig, case: Case) -> list[oracle.RankInput]:
 
 
 def _replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: list[str]) -> str:
-    """The command that runs iteration ``iteration`` again, alone, on ``backends``."""
-    cmd = (f"ep-comm stress --nproc {env.world_size} --seed {args.seed} --start {iteration} --iters 1 "
+    """The command that runs iteration ``iteration`` again, alone, on ``backends`` (at or after a kill:
+    the run from its start to that iteration, the same rank killed in the same iteration)."""
+    kill = faults.plan_kill(args, env.world_size)
+    if kill is not None and iteration >= kill.iteration:
+        span = f"--start {args.start} --iters {iteration - args.start + 1} --kill --kill-rank {kill.rank} " \
+               f"--kill-at {kill.iteration}"
+    else:
+        span = f"--start {iteration} --iters 1"
+    cmd = (f"ep-comm stress --nproc {env.world_size} --seed {args.seed} {span} "
            f"--backend {','.join(backends)} --hidden {args.hidden} --experts {args.experts} --topk {args.topk} "
            f"--max-tokens {args.max_tokens} --dtype {args.dtype}")
     if getattr(args, "zero_copy", False):
@@ -472,10 +725,47 @@ def _print_not_survived(env: RankEnv, args: argparse.Namespace, fault: faults.Fa
     print(f"  replay: {_replay(env, args, fault.iteration, sorted({b for (b, _), _ in fresh}))}", flush=True)
 
 
+def _print_kill(outcome: KillOutcome) -> None:
+    """The kill's moment, in the log where it happened (the summary has the details)."""
+    k = outcome.kill
+    where = f" (during {outcome.killed_in})" if outcome.killed_in else ""
+    print(f"\nrank {k.rank} killed with SIGKILL in iteration {k.iteration}{where}: survivors {outcome.survivors} "
+          f"raised and shrank; {outcome.variants} variant(s) go on" + (f", {len(outcome.dropped)} could not shrink"
+                                                                      if outcome.dropped else ""), flush=True)
+    for rank, problem in outcome.wrong():
+        print(f"KILL ANSWERED WRONGLY: rank {rank}: {problem}", flush=True)
+
+
+def _kill_lines(kill: faults.Kill, outcome: Optional[KillOutcome]) -> list[str]:
+    if outcome is None:
+        return [f"kill: rank {kill.rank} was to die in iteration {kill.iteration}; the run ended before it"]
+    answers = outcome.answers
+
+    def raised(a: KillAnswer) -> str:
+        when = (f"{a.raise_s:.2f} s after the kill" if a.raise_s is not None else
+                f"{a.since_iteration_s:.2f} s after its iteration began")
+        return f"rank {a.rank} {when} (in {a.where})"
+
+    lost = sorted({r for a in answers for r in a.lost_ranks})
+    errors = sorted({a.error for a in answers})
+    lines = [f"kill: rank {kill.rank} killed with SIGKILL in iteration {kill.iteration}"
+             + (f", during {outcome.killed_in}" if outcome.killed_in else ""),
+             f"kill: survivors raised {'/'.join(errors)} with lost_ranks {lost}: "
+             + ", ".join(raised(a) for a in answers),
+             f"kill: shrank to ranks {outcome.survivors} in {max(a.shrink_s for a in answers):.2f} s (slowest "
+             f"survivor): {outcome.variants} variant(s) went on, not shrinkable here: "
+             + ("; ".join(f"{b}/{lay} ({why})" for (b, lay), why in sorted(outcome.dropped.items())) or "none"),
+             f"kill: after the shrink {outcome.iterations} iteration(s) x {outcome.variants} variant(s) on ranks "
+             f"{outcome.survivors}, {outcome.failing} failing, {outcome.faults} fault(s) on surviving ranks"]
+    lines += [f"kill: ANSWERED WRONGLY: rank {r}: {p}" for r, p in outcome.wrong()]
+    return lines
+
+
 def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: list, elapsed: float,
-                   injected: list) -> None:
+                   injected: list, kill: Optional[faults.Kill] = None, outcome: Optional[KillOutcome] = None) -> None:
     headers = ["backend", "layout", "iters", "fp8", "uint8", "skewed", "zero_tok_ranks", "tokens", "failures"]
     headers += ["faults", "wrong", "in_place", "new_comm"] if args.faults else []
+    dropped = outcome.dropped if outcome is not None else {}
     rows = []
     for (backend, layout), st in sorted(stats.items()):
         per_iter = 1e3 * st.seconds / st.iterations if st.iterations else 0.0
@@ -483,7 +773,8 @@ def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: 
         row = [backend, layout, st.iterations, st.fp8, st.uint8, st.skewed, st.zero_token_ranks, st.tokens, st.failures]
         row += [f.injected, f.wrong, f.in_place, f.new_comm] if args.faults else []
         failing = st.failures or f.wrong or f.new_comm
-        rows.append(row + [f"{per_iter:.1f}", "FAIL" if failing else "ok"])
+        rows.append(row + [f"{per_iter:.1f}", "FAIL" if failing else "dropped" if (backend, layout) in dropped
+                           else "ok"])
     print(format_table(headers + ["ms/iter", "result"], rows, right=range(2, len(headers) + 1)), flush=True)
     done = max((st.iterations for st in stats.values()), default=0)
     total = {k: sum(getattr(st.faults, k) for st in stats.values())
@@ -496,10 +787,19 @@ def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: 
         if lost:
             print("\n".join(["faults not survived in place (the next call raised; a new communicator was created):",
                              *lost]), flush=True)
-    verdict = "FAILED" if failed or total["new_comm"] else "PASSED"
+    kill_wrong = False
+    if kill is not None:
+        print("\n".join(_kill_lines(kill, outcome)), flush=True)
+        kill_wrong = outcome.wrong() != [] if outcome is not None else not failed
+    verdict = "FAILED" if failed or total["new_comm"] or kill_wrong else "PASSED"
     fault_part = (f", {total['injected']} fault(s): {total['in_place']} survived in place, {total['new_comm']} "
                   f"needed a new communicator, {total['wrong']} answered wrongly" if args.faults else "")
-    print(f"stress {verdict}: {done} iteration(s) x {len(stats)} variant(s) on {env.world_size} ranks, "
+    kill_part = ""
+    if outcome is not None:
+        kill_part = (f" (rank {outcome.kill.rank} killed in iteration {outcome.kill.iteration}: "
+                     f"{'answered wrongly' if kill_wrong else 'survived'}, then {outcome.iterations} iteration(s) "
+                     f"on ranks {outcome.survivors})")
+    print(f"stress {verdict}: {done} iteration(s) x {len(stats)} variant(s) on {env.world_size} ranks{kill_part}, "
           f"{len(failed)} failing iteration(s){fault_part}, {elapsed:.1f} s", flush=True)
 
 
