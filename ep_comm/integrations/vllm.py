@@ -91,6 +91,9 @@ class _QuantPlan:
     post: bool = False
 
 
+_AS_RECEIVED = _QuantPlan()
+
+
 class EPCommPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     """vLLM's ``FusedMoEPrepareAndFinalizeModular`` over ep_comm communicators.
 
@@ -140,6 +143,13 @@ class EPCommPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._checked_maps: dict[tuple, None] = {}
         self._expert_load: torch.Tensor | None = (
             torch.zeros(self.num_local_experts, dtype=torch.int64, device=first.device) if track_expert_load else None)
+        # The standard format's slots: a local id e in [0, L) stays e and -1 becomes _slots - 1 under one
+        # bitwise and (two's complement), which the id tables and the counts below index with.
+        self._slots = 1 << self.num_local_experts.bit_length()  # the least power of two > L
+        # made here, eagerly: a tensor first made while a CUDA graph is captured holds no values until replay
+        self._id_tables = {g: _id_table(self.rank, self.world_size, self.num_local_experts, self._slots, g,
+                                        first.device) for g in (False, True)}
+        self._one = torch.ones(1, dtype=torch.int32, device=first.device)
 
     # -- what vLLM asks about the implementation ------------------------------------------------------------
     @property
@@ -248,6 +258,8 @@ class EPCommPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def _quant_plan(self, qc: FusedMoEQuantConfig | None, defer: bool) -> _QuantPlan:
         wants = qc is not None and qc.quant_dtype is not None and not defer
+        if not wants and self.cfg.quant is None:
+            return _AS_RECEIVED
         native = wants and _is_fp8_per_token_block(qc) and self.cfg.hidden % FP8_BLOCK == 0
         if self.cfg.quant == "fp8":
             # the payload arrives as fp8 + scales; other wishes need the values back first
@@ -366,10 +378,10 @@ class _Receiver:
             counts = d.filled("expert_num_tokens")
         else:
             raw = d.filled("topk_ids")
-            valid = torch.ge(raw, 0)
-            counts = torch.zeros(L, dtype=torch.int32, device=raw.device).scatter_add_(
-                0, raw.clamp_min(0).flatten().long(), valid.flatten().to(torch.int32))
-            ids = _expert_ids(raw, valid, pf.rank, pf.world_size, L, self.global_ids)
+            # on a GPU each torch op is a kernel launch: four here, no host sync, every shape fixed by raw's
+            slots = torch.bitwise_and(raw.reshape(-1), pf._slots - 1)
+            ids = torch.index_select(pf._id_tables[self.global_ids], 0, slots).view(raw.shape)
+            counts = pf._one.new_zeros(pf._slots).index_add_(0, slots, pf._one.expand(slots.shape[0]))[:L]
             weights = d.topk_weights
             x = x.contiguous()  # zero-copy rows are row-strided views; vLLM's experts read dense rows
             scales = None if scales is None else scales.contiguous()
@@ -379,16 +391,16 @@ class _Receiver:
         return x, scales, meta, ids, weights
 
 
-def _expert_ids(raw: torch.Tensor, valid: torch.Tensor, rank: int, world: int, L: int, global_ids: bool
-                ) -> torch.Tensor:
-    """The standard layout's local ids ``[N, top_k]`` (-1 where a slot names no expert of this rank) as
-    ids the experts can index: -1 becomes a valid id whose weight is already 0 (vLLM's CPU experts read
-    out of bounds on -1).  Global ids: a peer's first expert, which ``expert_map`` sends to -1 so the
-    experts skip it (this rank's own first expert at world 1)."""
-    if not global_ids:
-        return raw.clamp_min(0)
-    filler = ((rank + 1) % world) * L
-    return torch.where(valid, raw + rank * L, torch.full_like(raw, filler))
+def _id_table(rank: int, world: int, L: int, slots: int, global_ids: bool, device: torch.device) -> torch.Tensor:
+    """``[slots]`` int32 (``slots > L``): the id handed to the experts for local expert ``e`` at ``[e]``,
+    and from ``[L]`` on the one for a slot that names no expert of this rank (-1 in the standard layout's
+    ``topk_ids``): a valid id whose weight is already 0, since vLLM's CPU experts read out of bounds on
+    -1.  Local ids: ``e``, and 0.  Global ids: ``rank * L + e``, and a peer's first expert, which
+    ``expert_map`` sends to -1 so the experts skip it (this rank's own first expert at world 1)."""
+    base, filler = (rank * L, ((rank + 1) % world) * L) if global_ids else (0, 0)
+    table = torch.full((slots,), filler, dtype=torch.int32)
+    table[:L] = torch.arange(base, base + L, dtype=torch.int32)
+    return table.to(device)
 
 
 def _reduce_rows(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, weights_on_input: bool,
@@ -441,6 +453,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
 
     def span(t: torch.Tensor) -> tuple[int, int]:
         start = t.data_ptr()
+        if t.is_contiguous():  # the common case, without the per-dimension sum (same extent)
+            return start, start + t.numel() * t.element_size()
         extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
         return start, start + extent * t.element_size()
 
