@@ -29,13 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import random
-import signal
-import sys
-import tempfile
-import threading
 import time
 from typing import Any, Optional, Union
 
@@ -46,7 +39,16 @@ from ..communicator import Communicator
 from ..config import FP8_BLOCK, EPConfig
 from ..distributed.control import ControlPlane
 from ..errors import EPConfigError, EPError, EPTimeoutError, EPTopologyError
-from . import DTYPES, default_backends, faults, format_table, resolve_backend_request, written_to_input_buffer
+from . import (
+    DTYPES,
+    default_backends,
+    faults,
+    resolve_backend_request,
+    stress_cases,
+    stress_kill,
+    stress_report,
+    written_to_input_buffer,
+)
 from .launcher import PeerWatch, RankEnv, agree_exit_code, say, setup_rank, teardown
 
 
@@ -92,50 +94,6 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-@dataclasses.dataclass
-class Case:
-    """Everything that defines one iteration's inputs (identical on every rank)."""
-
-    iteration: int
-    quant: Optional[str]
-    payload: str  # "dtype" | "uint8"
-    routing: str
-    tokens: list[int]
-    p_minus_one: float
-    p_duplicate: float
-    scales_width: int
-    data_seed: int
-
-    def describe(self) -> str:
-        return (f"quant {self.quant or 'none'}, payload {self.payload}, routing {self.routing}, tokens per rank "
-                f"{self.tokens}, p_minus_one {self.p_minus_one}, p_duplicate {self.p_duplicate}, "
-                f"scales_width {self.scales_width}, data seed {self.data_seed}")
-
-
-def plan(args: argparse.Namespace, iteration: int, world: int, fp8_ok: bool) -> Case:
-    """The iteration's case, from ``(seed, iteration)`` only (str seeds hash the same in every process)."""
-    rng = random.Random(f"ep-comm-stress:{args.seed}:{iteration}")
-    quant = "fp8" if fp8_ok and rng.random() < 0.25 else None
-    payload = "uint8" if quant is None and rng.random() < 0.15 else "dtype"
-    routing = "skewed" if rng.random() < 0.3 else "uniform"
-    if rng.random() < 0.03:
-        tokens = [0] * world  # a round where nobody has tokens must still complete
-    else:
-        tokens = [0 if rng.random() < 0.15 else rng.randint(1, args.max_tokens) for _ in range(world)]
-    if args.inject_fault and iteration == fault_iteration(args):
-        tokens[world - 1] = max(1, tokens[world - 1])  # the corrupted rank needs a row to corrupt
-    return Case(
-        iteration=iteration, quant=quant, payload=payload, routing=routing, tokens=tokens,
-        p_minus_one=rng.choice((0.0, 0.0, 0.1, 0.3)), p_duplicate=rng.choice((0.0, 0.0, 0.2, 0.5)),
-        scales_width=rng.choice((0, 0, 3)) if payload == "dtype" and quant is None else 0,
-        data_seed=rng.randrange(2**31),
-    )
-
-
-def fault_iteration(args: argparse.Namespace) -> int:
-    return args.start + args.iters // 2
-
-
 class InjectedError(RuntimeError):
     """What ``--inject-exception`` raises: an ordinary bug in the caller, between two calls."""
 
@@ -162,157 +120,6 @@ class Stats:
     failures: int = 0
     seconds: float = 0.0
     faults: faults.Counts = dataclasses.field(default_factory=faults.Counts)
-
-
-@dataclasses.dataclass
-class KillAnswer:
-    """One survivor's side of the kill (picklable: gathered over the survivors after the shrink)."""
-
-    rank: int
-    error: str  # the class of what it raised
-    message: str
-    lost_ranks: list[int]
-    where: str  # what this rank was doing when it raised
-    raise_s: Optional[float]  # after the kill (the victim's record, same host only), else None
-    since_iteration_s: float  # after this rank started the kill's iteration
-    shrink_s: float  # every shrink, the results plane's included (waiting for the other survivors)
-    problems: list[str]  # active_ranks of a shrunk communicator other than the survivors
-
-    def wrong(self, victim: int) -> list[str]:
-        out = list(self.problems)
-        if self.error != "EPTimeoutError" or sorted(self.lost_ranks) != [victim]:
-            out.append(f"raised {self.error} with lost_ranks {self.lost_ranks}, expected EPTimeoutError with "
-                       f"lost_ranks [{victim}]: {self.message[:300]}")
-        return out
-
-
-@dataclasses.dataclass
-class KillOutcome:
-    """The kill as the survivors saw it, the same on every survivor."""
-
-    kill: faults.Kill
-    answers: list[KillAnswer]
-    dropped: dict[tuple[str, str], str]  # variants that could not shrink here, with the error
-    killed_in: Optional[str]  # what the victim was doing (its record; None when unreadable here)
-    variants: int = 0  # variants that went on
-    iterations: int = 0  # after the kill
-    failing: int = 0
-    faults: int = 0
-
-    @property
-    def survivors(self) -> list[int]:
-        return [a.rank for a in self.answers]
-
-    def wrong(self) -> list[tuple[int, str]]:
-        return [(a.rank, p) for a in self.answers for p in a.wrong(self.kill.rank)]
-
-
-#: what this rank is doing, read by the kill's timer thread when it fires (the summary says where the
-#: victim died)
-_WHERE = ["between calls"]
-
-
-def _at(what: str) -> None:
-    _WHERE[0] = what
-
-
-class _KillSwitch:
-    """The victim's end: SIGKILL to itself after a delay or at once, leaving a record of when and
-    where for the survivors on this host (a file named by the results plane's token)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def arm(self, delay_s: float) -> None:
-        timer = threading.Timer(delay_s, self.fire)
-        timer.daemon = True
-        timer.start()
-
-    def fire(self) -> None:
-        record = json.dumps({"time": time.time(), "where": _WHERE[0]})
-        try:
-            with open(self.path + ".tmp", "w") as f:
-                f.write(record)
-            os.replace(self.path + ".tmp", self.path)
-        except OSError:  # the survivors then time from the iteration's start
-            pass
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _kill_record_path(plane: ControlPlane) -> str:
-    return os.path.join(tempfile.gettempdir(), f"ep_comm_stress_kill_{plane.token}.json")
-
-
-def _read_kill_record(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _shrunk(comm: Communicator, lost: list[int]) -> Communicator:
-    """``comm.shrink()`` as an engine calls it; where this communicator has not seen the loss and
-    cannot see it now (a peer on another host), the ranks every survivor drops alike."""
-    try:
-        return comm.shrink()
-    except EPTimeoutError:
-        raise
-    except EPError as exc:
-        if "no rank is known to be lost" not in str(exc):
-            raise
-        return comm.shrink(lost)
-
-
-def _survive_kill(env: RankEnv, args: argparse.Namespace, kill: faults.Kill, exc: EPTimeoutError, t_iter: float,
-                  comms: dict, variants: list, plane: ControlPlane) -> tuple[ControlPlane, KillOutcome]:
-    """A survivor after the kill's error: shrink the results plane and every communicator (in the same
-    order on every survivor: each shrink is collective over them), drop the variants that cannot
-    shrink, and agree on what happened."""
-    t_raise = time.time()
-    where = _WHERE[0]
-    record_path = _kill_record_path(plane)
-    lost = [kill.rank]
-    new_plane = plane.shrink(lost)
-    plane.close(f"shrunk to ranks {new_plane.labels}", because_of=lost)
-    survivors = list(new_plane.labels)
-    dropped: dict[tuple[str, str], str] = {}
-    problems: list[str] = []
-    for key in sorted(comms, key=lambda k: (k[0], k[1], k[2] or "")):
-        variant = key[:2]
-        if variant in dropped:
-            comms.pop(key).close("its variant could not shrink")
-            continue
-        try:
-            comms[key] = new = _shrunk(comms[key], lost)
-        except EPTimeoutError:
-            raise
-        except EPError as err:
-            # alike on every survivor (the backend refuses after the survivors met): drop the variant
-            dropped[variant] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            comms.pop(key).close("it could not shrink")
-            continue
-        if list(new.active_ranks) != survivors:
-            problems.append(f"{key[0]}/{key[1]}: active_ranks {list(new.active_ranks)} after shrink(), expected "
-                            f"{survivors}")
-    for key in [k for k in comms if k[:2] in dropped]:
-        comms.pop(key).close("its variant could not shrink")
-    for variant in dropped:
-        variants.remove(variant)
-    shrink_s = time.time() - t_raise
-    record = _read_kill_record(record_path)
-    answer = KillAnswer(env.rank, type(exc).__name__, str(exc), sorted(exc.lost_ranks), where,
-                        None if record is None else t_raise - float(record["time"]), t_raise - t_iter, shrink_s,
-                        problems)
-    gathered = new_plane.gather_objects((answer, None if record is None else str(record["where"])))
-    if new_plane.me == survivors[0] and record is not None:
-        try:
-            os.remove(record_path)
-        except OSError:
-            pass
-    lead_dropped = new_plane.gather_objects(dropped)[0]  # the same everywhere; the lead's is the record
-    killed_in = next((w for _, w in gathered if w is not None), None)
-    return new_plane, KillOutcome(kill, [a for a, _ in gathered], lead_dropped, killed_in, variants=len(variants))
 
 
 def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[dict, list[str], int]:
@@ -368,7 +175,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
     # communicator) while its peers already wait here
     results_plane = ControlPlane(env.cpu_group, args.op_timeout * (3 if args.faults else 1))
     comms: dict = {}
-    progress: Optional[_Progress] = None
+    progress: Optional[stress_report.Progress] = None
     reason = "closed"
     try:
         comms, notes, code = _make_comms(env, args, fp8_ok)
@@ -393,19 +200,20 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                     if args.faults else "")
                  + (f"; rank {kill.rank} is killed in iteration {kill.iteration}" if kill is not None else ""))
         stats = {v: Stats() for v in variants}
-        failed_cases: list[tuple[Case, list]] = []
+        failed_cases: list[tuple[stress_cases.Case, list]] = []
         injected: list[faults.Fault] = []
         shown: set = set()  # variants whose first fault not survived in place was printed
         active = list(range(world))
         lead = env.is_root  # prints: rank 0, or the lowest survivor once rank 0 is killed
-        outcome: Optional[KillOutcome] = None
-        switch = _KillSwitch(_kill_record_path(results_plane)) if kill is not None and env.rank == kill.rank else None
-        progress = _Progress(args.iters, enabled=lead)
+        outcome: Optional[stress_kill.KillOutcome] = None
+        switch = (stress_kill.KillSwitch(stress_kill.kill_record_path(results_plane))
+                  if kill is not None and env.rank == kill.rank else None)
+        progress = stress_report.Progress(args.iters, enabled=lead)
         t_start = time.perf_counter()
         for it in range(args.start, args.start + args.iters):
             if not variants:  # every variant was dropped (no new communicator after a fault, or no shrink)
                 break
-            case = plan(args, it, world, fp8_ok)
+            case = stress_cases.plan(args, it, world, fp8_ok)
             killing = kill is not None and outcome is None and it == kill.iteration
             fault = faults.plan_fault(args, it, world, args.experts, active) if args.faults and not killing else None
             records: list = []
@@ -417,12 +225,13 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                 _run_case(env, args, comms, variants, case, stats, fault, active, records)
                 if killing and switch is not None:
                     switch.fire()  # the timer has not fired yet: die before this iteration's results are shared
-                _at("the results gather")
+                stress_kill.at("the results gather")
                 everyone = results_plane.gather_objects(records)  # [(backend, layout, [problems], trace)] per rank
             except EPTimeoutError as exc:
                 if not killing or kill is None:
                     raise
-                results_plane, outcome = _survive_kill(env, args, kill, exc, t_iter, comms, variants, results_plane)
+                results_plane, outcome = stress_kill.survive_kill(env, args, kill, exc, t_iter, comms, variants,
+                                                                  results_plane)
                 watch.rebind(results_plane)
                 active = list(results_plane.labels)
                 if results_plane.me == active[0] and not lead:
@@ -430,7 +239,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                     progress.done = it - args.start
                 if lead:
                     progress.clear()
-                    _print_kill(outcome)
+                    stress_kill.print_kill(outcome)
                 everyone = results_plane.gather_objects(records)
             labels = results_plane.labels
             bad = [(labels[i], b, lay, ps) for i, recs in enumerate(everyone) for b, lay, ps, _ in recs if ps]
@@ -443,7 +252,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                 fresh = [(v, errors) for v, errors in renew if v not in shown]
                 if fresh and lead:
                     progress.clear()
-                    _print_not_survived(env, args, fault, fresh)
+                    stress_report.print_not_survived(env, args, fault, fresh)
                 shown.update(v for v, _ in renew)
                 if renew:
                     again = _renew(env, args, comms, variants, [v for v, _ in renew], case, active)
@@ -461,7 +270,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                 failed_cases.append((case, bad + wrong))
                 if lead:
                     progress.clear()
-                    _print_failure(env, args, case, fault, bad, wrong)
+                    stress_report.print_failure(env, args, case, fault, bad, wrong)
                 if not args.keep_going:
                     break
         watch.stop()  # from here on, a peer that finished first and exited is no failure
@@ -469,7 +278,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
             progress.close()
         elapsed = time.perf_counter() - t_start
         if lead:
-            _print_summary(env, args, stats, failed_cases, elapsed, injected, kill, outcome)
+            stress_report.print_summary(env, args, stats, failed_cases, elapsed, injected, kill, outcome)
         not_survived = any(st.faults.new_comm for st in stats.values())
         kill_failed = kill is not None and (outcome.wrong() if outcome is not None else not failed_cases)
         code = 1 if failed_cases or not_survived or kill_failed else 0
@@ -489,7 +298,7 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
         results_plane.close(reason)
 
 
-def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: Case, stats: dict,
+def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, case: stress_cases.Case, stats: dict,
               fault: Optional[faults.Fault], active: list[int],
               records: list[tuple[str, str, list[str], Optional[faults.Trace]]]) -> None:
     """Every variant on this case (after the fault, if any); appends this rank's (backend, layout,
@@ -497,7 +306,7 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
     those of the variants before it)."""
     rank, world = env.rank, env.world_size
     cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
-    inputs = _case_inputs(cfg, case)
+    inputs = stress_cases.case_inputs(cfg, case)
     expected = _expected(cfg, inputs, rank, active)
     mine = inputs[rank].to(env.device)
     bad_inputs = faults.faulty_inputs(cfg, inputs, fault) if fault is not None else []
@@ -515,7 +324,7 @@ def _run_case(env: RankEnv, args: argparse.Namespace, comms: dict, variants: lis
         if fault is None:
             problems = _checked_call(env, args, comm, case, i, mine, expected)
         else:
-            _at(f"{backend}/{layout} faulty call")
+            stress_kill.at(f"{backend}/{layout} faulty call")
             trace = faults.attempt(comm, fault, rank, world, bad_inputs, faults.validating(args))
             problems = _after_fault(env, args, comm, case, i, mine, expected, fault, trace)
         st.seconds += time.perf_counter() - t0
@@ -533,7 +342,7 @@ def _expected(cfg: EPConfig, inputs: list[oracle.RankInput], rank: int,
             oracle.expected_inactive_pairs(cfg, inputs, active)[rank])
 
 
-def _valid_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+def _valid_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: stress_cases.Case, i: int,
                 mine: oracle.RankInput, expected: tuple) -> list[str]:
     """One dispatch + combine of the case on ``comm``, compared with the oracle; the library's errors pass."""
     rank, world = env.rank, env.world_size
@@ -541,19 +350,19 @@ def _valid_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case
     tag = f"{comm.backend}/{comm.cfg.layout}"
     # every other iteration x is written into the input buffer (kernel backends: sent in place)
     x = written_to_input_buffer(comm, mine.x) if comm.cfg.zero_copy and case.iteration % 2 else mine.x
-    _at(f"{tag} dispatch")
+    stress_kill.at(f"{tag} dispatch")
     d = comm.dispatch(x, mine.topk_ids, mine.topk_weights, mine.x_scales)
-    _at(f"{tag} checking the dispatch")
+    stress_kill.at(f"{tag} checking the dispatch")
     problems = [f"dispatch: {p}" for p in oracle.compare_dispatch(comm.cfg, d, expected_d)]
     problems += _inactive_pairs_problems(d, expected_pairs)
-    if args.inject_exception and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+    if args.inject_exception and case.iteration == stress_cases.fault_iteration(args) and i == 0 and rank == world - 1:
         raise InjectedError(f"injected by --inject-exception on rank {rank} in iteration {case.iteration}, "
                             f"between dispatch and combine, at unix time {time.time():.3f}")
     expert_out = oracle.run_experts(comm.cfg, rank, world, d)
-    _at(f"{tag} combine")
+    stress_kill.at(f"{tag} combine")
     y = comm.combine(expert_out, d)
-    _at(f"{tag} checking the combine")
-    if args.inject_fault and case.iteration == fault_iteration(args) and i == 0 and rank == world - 1:
+    stress_kill.at(f"{tag} checking the combine")
+    if args.inject_fault and case.iteration == stress_cases.fault_iteration(args) and i == 0 and rank == world - 1:
         y[0] += 1.0  # deliberate corruption: proves a wrong combine fails the run
     problems += [f"combine: {p}" for p in oracle.compare_combine(comm.cfg, y, expected_y)]
     return problems
@@ -569,7 +378,7 @@ def _inactive_pairs_problems(d: Any, expected: Optional[int]) -> list[str]:
     return [] if count == expected else [f"dispatch: inactive_pairs {count}, expected {expected}"]
 
 
-def _checked_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+def _checked_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: stress_cases.Case, i: int,
                   mine: oracle.RankInput, expected: tuple) -> list[str]:
     """``_valid_call`` with the library's errors as problems, but for a lost peer."""
     try:
@@ -580,7 +389,7 @@ def _checked_call(env: RankEnv, args: argparse.Namespace, comm: Communicator, ca
         return [f"{type(exc).__name__}: {exc}"]
 
 
-def _after_fault(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+def _after_fault(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: stress_cases.Case, i: int,
                  mine: oracle.RankInput, expected: tuple, fault: faults.Fault, trace: faults.Trace) -> list[str]:
     """The valid call on the communicator that just had the fault.  Where it raises, ``trace`` says so
     (the fault was not survived in place) and it is made again on a new communicator (``_renew``)."""
@@ -596,7 +405,7 @@ def _after_fault(env: RankEnv, args: argparse.Namespace, comm: Communicator, cas
     return [f"next call after the fault: {p}" for p in outcome]
 
 
-def _attempt(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: Case, i: int,
+def _attempt(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: stress_cases.Case, i: int,
              mine: oracle.RankInput, expected: tuple) -> Union[list[str], Exception]:
     """``_valid_call``'s problems, or what it raised; a timeout naming lost ranks ends the run."""
     try:
@@ -612,13 +421,13 @@ def _attempt(env: RankEnv, args: argparse.Namespace, comm: Communicator, case: C
 
 
 def _renew(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, renew: list,
-           case: Case, active: list[int]) -> list[tuple[str, str, list[str]]]:
+           case: stress_cases.Case, active: list[int]) -> list[tuple[str, str, list[str]]]:
     """Replace the communicators that did not survive the fault (closed, then created again: collective,
     in the same order on every rank) and make the case's valid call on each; returns this rank's
     (backend, layout, problems) records.  After a kill no new communicator can be made (creating one
     is collective over the default group, dead rank included): the variant is dropped."""
     cfg = next(c.cfg for (_, _, q), c in comms.items() if q == case.quant)
-    inputs = _case_inputs(cfg, case)
+    inputs = stress_cases.case_inputs(cfg, case)
     expected = _expected(cfg, inputs, env.rank, active)
     mine = inputs[env.rank].to(env.device)
     records = []
@@ -647,202 +456,3 @@ def _renew(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, 
         problems = _checked_call(env, args, comms[key], case, variants.index((backend, layout)), mine, expected)
         records.append((backend, layout, [f"on a new communicator after the fault: {p}" for p in problems]))
     return records
-
-
-def _case_inputs(cfg: EPConfig, case: Case) -> list[oracle.RankInput]:
-    """``oracle.random_inputs`` for the case, with zero-token ranks filled in here.
-
-    ``random_inputs(routing="skewed")`` raises for a rank with T=0 (its skew branch is skipped for
-    T=0 and the routing name then falls through to the "unknown routing" error), so the non-empty
-    ranks are generated in one call and empty inputs are inserted for the others.  Zero-size draws
-    consume no random numbers, so the data equals what a fixed ``random_inputs`` would return.
-    """
-    live = [t for t in case.tokens if t]
-    generated = iter(oracle.random_inputs(
-        cfg, len(case.tokens), case.data_seed, tokens=live, routing=case.routing, payload=case.payload,
-        scales_width=case.scales_width, p_minus_one=case.p_minus_one, p_duplicate=case.p_duplicate,
-    ) if live else [])
-    out = []
-    for t in case.tokens:
-        if t:
-            out.append(next(generated))
-            continue
-        width = cfg.hidden // 2 if case.payload == "uint8" else cfg.hidden
-        x = torch.empty(0, width, dtype=torch.uint8 if case.payload == "uint8" else cfg.dtype)
-        s = torch.empty(0, case.scales_width) if case.scales_width else None
-        out.append(oracle.RankInput(x, torch.empty(0, cfg.top_k, dtype=torch.int32),
-                                    torch.empty(0, cfg.top_k, dtype=torch.float32), s))
-    return out
-
-
-def _replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: list[str]) -> str:
-    """The command that runs iteration ``iteration`` again, alone, on ``backends`` (at or after a kill:
-    the run from its start to that iteration, the same rank killed in the same iteration)."""
-    kill = faults.plan_kill(args, env.world_size)
-    if kill is not None and iteration >= kill.iteration:
-        span = f"--start {args.start} --iters {iteration - args.start + 1} --kill --kill-rank {kill.rank} " \
-               f"--kill-at {kill.iteration}"
-    else:
-        span = f"--start {iteration} --iters 1"
-    cmd = (f"ep-comm stress --nproc {env.world_size} --seed {args.seed} {span} "
-           f"--backend {','.join(backends)} --hidden {args.hidden} --experts {args.experts} --topk {args.topk} "
-           f"--max-tokens {args.max_tokens} --dtype {args.dtype}")
-    if getattr(args, "zero_copy", False):
-        cmd += " --zero-copy"
-    if args.faults:
-        cmd += f" --faults --fault-rate {args.fault_rate:g}"
-    if not faults.validating(args):
-        cmd += " --validate-ids off"
-    if args.faults and args.op_timeout != 100.0:
-        cmd += f" --op-timeout {args.op_timeout:g}"  # an answer slower than it is wrong
-    return cmd + (" --inject-fault" if args.inject_fault else "")
-
-
-def _print_failure(env: RankEnv, args: argparse.Namespace, case: Case, fault: Optional[faults.Fault], bad: list,
-                   wrong: list) -> None:
-    title = " and ".join(t for t, on in (("MISMATCH", bad), ("FAULT ANSWERED WRONGLY", wrong)) if on)
-    print(f"\n{title} in iteration {case.iteration} (seed {args.seed}): {case.describe()}", flush=True)
-    if fault is not None:
-        print(f"  {fault.describe(faults.validating(args))}", flush=True)
-    for rank, backend, layout, problems in bad + wrong:
-        for p in problems:
-            print(f"  rank {rank}, backend {backend}, layout {layout}: {p}", flush=True)
-    print(f"  replay: {_replay(env, args, case.iteration, sorted({b for _, b, _, _ in bad + wrong}))}", flush=True)
-
-
-def _print_not_survived(env: RankEnv, args: argparse.Namespace, fault: faults.Fault, fresh: list) -> None:
-    """The first fault each variant did not survive in place (later ones are counted, not printed)."""
-    names = [f"{b}/{lay}" for (b, lay), _ in fresh]
-    (backend, layout), errors = fresh[0]
-    print(f"\nFAULT NOT SURVIVED in iteration {fault.iteration} (seed {args.seed}): "
-          f"{fault.describe(faults.validating(args))}", flush=True)
-    print(f"  on {', '.join(names)} the next call on the same communicator raised; on {backend}/{layout}:", flush=True)
-    for rank, error in errors:
-        print(f"  rank {rank}: {error if len(error) <= 400 else error[:397] + '...'}", flush=True)
-    print("  a new communicator is created and the run goes on; later faults not survived on "
-          f"{'these variants' if len(fresh) > 1 else 'this variant'} are counted in the summary, not printed",
-          flush=True)
-    print(f"  replay: {_replay(env, args, fault.iteration, sorted({b for (b, _), _ in fresh}))}", flush=True)
-
-
-def _print_kill(outcome: KillOutcome) -> None:
-    """The kill's moment, in the log where it happened (the summary has the details)."""
-    k = outcome.kill
-    where = f" (during {outcome.killed_in})" if outcome.killed_in else ""
-    print(f"\nrank {k.rank} killed with SIGKILL in iteration {k.iteration}{where}: survivors {outcome.survivors} "
-          f"raised and shrank; {outcome.variants} variant(s) go on" + (f", {len(outcome.dropped)} could not shrink"
-                                                                      if outcome.dropped else ""), flush=True)
-    for rank, problem in outcome.wrong():
-        print(f"KILL ANSWERED WRONGLY: rank {rank}: {problem}", flush=True)
-
-
-def _kill_lines(kill: faults.Kill, outcome: Optional[KillOutcome]) -> list[str]:
-    if outcome is None:
-        return [f"kill: rank {kill.rank} was to die in iteration {kill.iteration}; the run ended before it"]
-    answers = outcome.answers
-
-    def raised(a: KillAnswer) -> str:
-        when = (f"{a.raise_s:.2f} s after the kill" if a.raise_s is not None else
-                f"{a.since_iteration_s:.2f} s after its iteration began")
-        return f"rank {a.rank} {when} (in {a.where})"
-
-    lost = sorted({r for a in answers for r in a.lost_ranks})
-    errors = sorted({a.error for a in answers})
-    lines = [f"kill: rank {kill.rank} killed with SIGKILL in iteration {kill.iteration}"
-             + (f", during {outcome.killed_in}" if outcome.killed_in else ""),
-             f"kill: survivors raised {'/'.join(errors)} with lost_ranks {lost}: "
-             + ", ".join(raised(a) for a in answers),
-             f"kill: shrank to ranks {outcome.survivors} in {max(a.shrink_s for a in answers):.2f} s (slowest "
-             f"survivor): {outcome.variants} variant(s) went on, not shrinkable here: "
-             + ("; ".join(f"{b}/{lay} ({why})" for (b, lay), why in sorted(outcome.dropped.items())) or "none"),
-             f"kill: after the shrink {outcome.iterations} iteration(s) x {outcome.variants} variant(s) on ranks "
-             f"{outcome.survivors}, {outcome.failing} failing, {outcome.faults} fault(s) on surviving ranks"]
-    lines += [f"kill: ANSWERED WRONGLY: rank {r}: {p}" for r, p in outcome.wrong()]
-    return lines
-
-
-def _print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: list, elapsed: float,
-                   injected: list, kill: Optional[faults.Kill] = None, outcome: Optional[KillOutcome] = None) -> None:
-    headers = ["backend", "layout", "iters", "fp8", "uint8", "skewed", "zero_tok_ranks", "tokens", "failures"]
-    headers += ["faults", "wrong", "in_place", "new_comm"] if args.faults else []
-    dropped = outcome.dropped if outcome is not None else {}
-    rows = []
-    for (backend, layout), st in sorted(stats.items()):
-        per_iter = 1e3 * st.seconds / st.iterations if st.iterations else 0.0
-        f = st.faults
-        row = [backend, layout, st.iterations, st.fp8, st.uint8, st.skewed, st.zero_token_ranks, st.tokens, st.failures]
-        row += [f.injected, f.wrong, f.in_place, f.new_comm] if args.faults else []
-        failing = st.failures or f.wrong or f.new_comm
-        rows.append(row + [f"{per_iter:.1f}", "FAIL" if failing else "dropped" if (backend, layout) in dropped
-                           else "ok"])
-    print(format_table(headers + ["ms/iter", "result"], rows, right=range(2, len(headers) + 1)), flush=True)
-    done = max((st.iterations for st in stats.values()), default=0)
-    total = {k: sum(getattr(st.faults, k) for st in stats.values())
-             for k in ("injected", "wrong", "in_place", "new_comm")}
-    if args.faults:
-        print(f"faults: {len(injected)} of {done} iteration(s) faulty, each fault made on every variant "
-              f"({faults.tally_kinds(injected)})", flush=True)
-        lost = [f"  {b}/{lay}: {st.faults.new_comm} of {st.faults.injected} ({faults.tally_kinds(st.faults.lost)})"
-                for (b, lay), st in sorted(stats.items()) if st.faults.new_comm]
-        if lost:
-            print("\n".join(["faults not survived in place (the next call raised; a new communicator was created):",
-                             *lost]), flush=True)
-    kill_wrong = False
-    if kill is not None:
-        print("\n".join(_kill_lines(kill, outcome)), flush=True)
-        kill_wrong = outcome.wrong() != [] if outcome is not None else not failed
-    verdict = "FAILED" if failed or total["new_comm"] or kill_wrong else "PASSED"
-    fault_part = (f", {total['injected']} fault(s): {total['in_place']} survived in place, {total['new_comm']} "
-                  f"needed a new communicator, {total['wrong']} answered wrongly" if args.faults else "")
-    kill_part = ""
-    if outcome is not None:
-        kill_part = (f" (rank {outcome.kill.rank} killed in iteration {outcome.kill.iteration}: "
-                     f"{'answered wrongly' if kill_wrong else 'survived'}, then {outcome.iterations} iteration(s) "
-                     f"on ranks {outcome.survivors})")
-    print(f"stress {verdict}: {done} iteration(s) x {len(stats)} variant(s) on {env.world_size} ranks{kill_part}, "
-          f"{len(failed)} failing iteration(s){fault_part}, {elapsed:.1f} s", flush=True)
-
-
-class _Progress:
-    """On a terminal tqdm when installed, else a \\r counter; into a log (not a terminal) a line per 10 %,
-    whether tqdm is installed or not (its redrawn bar makes an unreadable log)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done, self.failures = total, enabled, 0, 0
-        self.bar: Any = None
-        self.tty = enabled and sys.stderr.isatty()
-        if self.tty:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, file=sys.stderr, desc="stress", unit="it", leave=False)
-            except ImportError:
-                self.bar = None
-
-    def update(self, failures: int) -> None:
-        if not self.enabled:
-            return
-        self.done += 1
-        self.failures = failures
-        if self.bar is not None:
-            self.bar.set_postfix(failures=failures, refresh=False)
-            self.bar.update(1)
-        elif self.tty:
-            sys.stderr.write(f"\rstress {self.done}/{self.total} iterations, {failures} failing")
-            sys.stderr.flush()
-        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
-            print(f"stress {self.done}/{self.total} iterations, {failures} failing", file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self.bar is not None:
-            self.bar.clear()
-        elif self.tty:
-            sys.stderr.write("\r" + " " * 60 + "\r")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        elif self.tty and self.done:
-            sys.stderr.write("\n")
-            self.tty = False

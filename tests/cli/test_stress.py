@@ -9,7 +9,8 @@ import sys
 import torch
 
 from ep_comm.backends import registered
-from ep_comm.cli.stress import _case_inputs, plan
+from ep_comm.cli.stress_cases import case_inputs as _case_inputs
+from ep_comm.cli.stress_cases import plan
 from ep_comm.config import EPConfig
 
 from .conftest import REPO, clean_env, usable_backends

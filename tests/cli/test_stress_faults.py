@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ep_comm import EPConfig
-from ep_comm.cli import faults, stress
+from ep_comm.cli import faults, stress, stress_cases
 from ep_comm.cli.main import build_parser
 from ep_comm.distributed.spawn import spawn_local
 from ep_comm.errors import EPError, EPInputError, EPTimeoutError
@@ -66,9 +66,9 @@ def test_plan_is_reproducible_and_covers_every_kind():
                                                   (None, "uint8", 0)])
 def test_every_dispatch_fault_is_refused_by_the_checks_with_the_precise_words(quant, payload, scales):
     cfg = EPConfig(num_experts=8, top_k=2, hidden=128, max_tokens_per_rank=8, quant=quant)
-    case = stress.plan(argparse.Namespace(seed=0, max_tokens=8, inject_fault=False, start=0, iters=1), 0, 2, False)
+    case = stress_cases.plan(argparse.Namespace(seed=0, max_tokens=8, inject_fault=False, start=0, iters=1), 0, 2, False)
     case.quant, case.payload, case.scales_width, case.tokens = quant, payload, scales, [5, 0]
-    inputs = stress._case_inputs(cfg, case)
+    inputs = stress_cases.case_inputs(cfg, case)
     for i, kind in enumerate(k for k in faults.KINDS if k != "expert_out"):
         for ranks in ((0,), (1,), (0, 1)):  # rank 1 has no tokens
             fault = faults.Fault(i, kind, ranks, value=8 + i, report="check_errors", seed=100 + i)

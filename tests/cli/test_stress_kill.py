@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ep_comm.cli import faults, stress
+from ep_comm.cli import faults, stress, stress_kill
 from ep_comm.cli.launcher import planned_death
 from ep_comm.cli.main import build_parser
 from ep_comm.distributed.spawn import RankResult
@@ -73,12 +73,13 @@ def test_only_the_planned_sigkill_is_no_failure():
 
 
 def test_a_survivor_naming_the_wrong_ranks_is_a_wrong_answer():
-    good = stress.KillAnswer(0, "EPTimeoutError", "rank 1 is gone", [1], "naive/standard dispatch", 0.1, 0.2, 0.3, [])
+    good = stress_kill.KillAnswer(0, "EPTimeoutError", "rank 1 is gone", [1], "naive/standard dispatch", 0.1, 0.2,
+                                  0.3, [])
     assert good.wrong(1) == []
     assert "expected EPTimeoutError with lost_ranks [2]" in good.wrong(2)[0]
-    blind = stress.KillAnswer(2, "EPTimeoutError", "missing rank 1", [], "ag_rs/batched combine", 0.1, 0.2, 0.3,
+    blind = stress_kill.KillAnswer(2, "EPTimeoutError", "missing rank 1", [], "ag_rs/batched combine", 0.1, 0.2, 0.3,
                               ["naive/batched: active_ranks [0, 1, 2] after shrink(), expected [0, 2]"])
-    outcome = stress.KillOutcome(faults.Kill(1, 10, 0.5), [good, blind], {}, None)
+    outcome = stress_kill.KillOutcome(faults.Kill(1, 10, 0.5), [good, blind], {}, None)
     assert [r for r, _ in outcome.wrong()] == [2, 2] and outcome.survivors == [0, 2]
 
 
