@@ -66,8 +66,12 @@ def check_nproc(nproc: int) -> Optional[str]:
 
 
 def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
-              failure_grace_s: Optional[float] = None) -> int:
+              failure_grace_s: Optional[float] = None,
+              planned_victim: Optional[Callable[[Any, int], Optional[int]]] = None) -> int:
     """Run ``worker(args)`` on every rank and return the exit code for this process.
+
+    ``planned_victim(args, world)``: the rank the command kills on purpose (``ep-comm stress --kill``),
+    whose own SIGKILL is then no failure.
 
     Self-spawned ranks still running ``failure_grace_s`` after one rank failed are killed (their own
     typed errors normally end them well before); none outlives this call.
@@ -88,7 +92,7 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
 
     from ..distributed.spawn import spawn_local
 
-    victim = planned_victim(args, nproc)
+    victim = planned_victim(args, nproc) if planned_victim is not None else None
     if victim is not None:
         # the survivors go on for the rest of the run after the planned death, so it must not start the
         # countdown that kills them; their own typed errors (and --timeout) still end a failing run
@@ -112,14 +116,6 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
             print(res.traceback.rstrip(), file=sys.stderr)
     sys.stderr.flush()
     return code
-
-
-def planned_victim(args: Any, world: int) -> Optional[int]:
-    """The rank this run kills itself (``ep-comm stress --kill``), else None."""
-    from .faults import plan_kill
-
-    kill = plan_kill(args, world) if getattr(args, "kill", False) else None
-    return None if kill is None else kill.rank
 
 
 def planned_death(res: Any) -> bool:

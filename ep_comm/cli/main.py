@@ -86,7 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .launcher import run_ranks
 
     # once a rank fails, the others get --op-timeout (their own typed errors) plus a margin to end
-    return run_ranks(module.worker, args, args.nproc, args.timeout, failure_grace_s=args.op_timeout + 15.0)
+    return run_ranks(module.worker, args, args.nproc, args.timeout, failure_grace_s=args.op_timeout + 15.0,
+                     planned_victim=getattr(module, "planned_victim", None))
 
 
 if __name__ == "__main__":  # pragma: no cover

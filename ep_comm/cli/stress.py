@@ -94,6 +94,12 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def planned_victim(args: argparse.Namespace, world: int) -> Optional[int]:
+    """The rank ``--kill`` kills (the launcher then counts its SIGKILL as planned), else None."""
+    kill = faults.plan_kill(args, world)
+    return None if kill is None else kill.rank
+
+
 class InjectedError(RuntimeError):
     """What ``--inject-exception`` raises: an ordinary bug in the caller, between two calls."""
 
