@@ -52,7 +52,7 @@ __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 // ``status`` is device memory (int32, layout in protocol.h); ``pending`` points at host-mapped int32
 // words the host reads without synchronising: [kPendingFatal] when a peer problem was recorded (the
 // call sequence is broken), [kPendingRecoverable] when only ids were dropped or a peer abandoned a
-// combine (ranks still in step).
+// call (ranks still in step).
 struct ErrorSink {
   int32_t* status;
   int32_t* pending;
@@ -66,9 +66,10 @@ struct ErrorSink {
     atomicOr(status + kStatusRankReason + r, reason);
     atomicExch(status + kStatusRankReason + world + r, static_cast<int32_t>(observed));
     atomicCAS(status + kStatusExpectedCode, 0, static_cast<int32_t>(expected));
-    // a peer that abandoned a combine is back in step with its next call (every rank's next call is
-    // a dispatch), so only this combine's result is incomplete; anything else breaks the sequence
-    raise_pending(reason == kReasonAbort && code_op(expected) == kOpCombine ? kPendingRecoverable : kPendingFatal);
+    // a peer that abandoned a call gave up the call numbers its peers make meanwhile (a dispatch
+    // abort also covers the combine after it), so only these calls' results are incomplete; anything
+    // else breaks the sequence
+    raise_pending(reason == kReasonAbort ? kPendingRecoverable : kPendingFatal);
   }
   __device__ void raise_pending(int word) const {
     __threadfence();

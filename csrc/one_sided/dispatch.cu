@@ -526,11 +526,39 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   stamp(L, kTraceDispatch, kTrEnd, true);
 }
 
-__global__ void abort_kernel(const Common c) {
+// Tell every peer that this rank gives up ``calls`` call numbers from the current one: 1, a combine;
+// 2, a dispatch and the combine that would have followed it (the peers' hosts are on their way to it).
+// The second number's flag slot is also the one of this rank's previous combine, which a slow peer may
+// still be reading: it is written only once every peer has signalled the current call.
+__global__ void abort_kernel(const Common c, int calls) {
   const auto [seq, code, parity] = current_call(c, kOpAbort, kPhaseBoth);
   signal_all(c, parity, code);
+  if (calls > 1) {
+    const uint64_t deadline = global_timer_ns() + c.lay.timeout_ns;
+    const ErrorSink err{c.status, c.lay.pending, c.lay.world};
+    for (int peer = threadIdx.x; peer < c.lay.world; peer += blockDim.x) {
+      if (peer == c.lay.rank || !peer_active(c.lay, peer)) continue;
+      const uint64_t* flag = flag_slot(c, c.lay.rank, parity, peer);
+      uint32_t spins = 0;
+      while (true) {
+        const uint32_t seen = static_cast<uint32_t>(ld_acquire_sys(flag));
+        if (seen != 0 && code_seq(seen) == code_seq(code)) break;  // any op: the peer reached this call
+        if (seen != 0 && code_ahead(seen, code)) {
+          err.peer(peer, kReasonMismatch, seen, code);
+          break;
+        }
+        if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
+          err.peer(peer, kReasonTimeout, seen, code);
+          err.count(kStatusTimeouts, 1);
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    signal_all(c, parity ^ 1, make_code(seq + 1, kOpAbort));
+  }
   __syncthreads();
-  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + 1;
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + calls;
 }
 
 }  // namespace
@@ -557,8 +585,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_i
   return cudaGetLastError();
 }
 
-cudaError_t launch_abort(const Common& c, cudaStream_t stream) {
-  abort_kernel<<<1, 128, 0, stream>>>(c);
+cudaError_t launch_abort(const Common& c, int calls, cudaStream_t stream) {
+  abort_kernel<<<1, 128, 0, stream>>>(c, calls);
   return cudaGetLastError();
 }
 

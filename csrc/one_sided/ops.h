@@ -222,10 +222,11 @@ inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_i
                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
 }
 
-inline void kernel_abort(at::Tensor& state, const at::Tensor& peer_base, std::vector<int64_t> cfg) {
+inline void kernel_abort(at::Tensor& state, const at::Tensor& peer_base, std::vector<int64_t> cfg, int64_t calls) {
+  TORCH_CHECK(calls == 1 || calls == 2, "ep_comm: an abort gives up 1 (combine) or 2 (dispatch) calls, not ", calls);
   const c10::cuda::CUDAGuard guard(state.device());
   const Common c = common(state, peer_base, cfg);
-  EP_CUDA_CHECK(launch_abort(c, c10::cuda::getCurrentCUDAStream()));
+  EP_CUDA_CHECK(launch_abort(c, static_cast<int>(calls), c10::cuda::getCurrentCUDAStream()));
 }
 
 // The input verdict queued in front of a checked dispatch: ``topk_ids`` range-checked (none: this
@@ -255,7 +256,7 @@ inline void kernel_verdict(const c10::optional<at::Tensor>& topk_ids, int64_t ow
   m.def(P "_dispatch_recv(Tensor x, Tensor? x_scales, Tensor(a!) state, Tensor(b!) work, Tensor peer_base, "    \
           "Tensor(c!) out_x, Tensor(d!) out_scales, Tensor(e!) row_ids, Tensor(f!) row_w, Tensor(g!) row_slot, " \
           "Tensor(h!) counts, int[] cfg) -> ()");                                                               \
-  m.def(P "_abort(Tensor(a!) state, Tensor peer_base, int[] cfg) -> ()");                                      \
+  m.def(P "_abort(Tensor(a!) state, Tensor peer_base, int[] cfg, int calls=1) -> ()");                                      \
   m.def(P "_verdict(Tensor? topk_ids, int own_bad, bool advance, Tensor(a!) state, Tensor peer_base, "          \
           "int[] cfg) -> ()")
 

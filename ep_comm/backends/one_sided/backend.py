@@ -196,8 +196,8 @@ class OneSidedBackend(Backend):
         if error is not None:
             if checked:
                 self.kernels.refuse()
-            else:
-                self._abandon(error)
+            else:  # the peers learn it in their dispatch kernel, and raise it by a later call
+                self._abandon(error, calls=2)
             raise error
         if checked:  # answered after the launch: the GPU never waits for the host to decide
             self.kernels.start_verdict(call.topk_ids)
@@ -271,7 +271,7 @@ class OneSidedBackend(Backend):
         if call.error is not None:
             # the peers' combine kernels see the abort and go on without this rank's part; every
             # rank's next call is a dispatch, so the sequence stays in step (they raise it later)
-            self._abandon(call.error, fatal=False)
+            self._abandon(call.error, calls=1)
             raise call.error
         d, cfg = call.dispatched, self.ctx.cfg
         out = call.out
@@ -359,20 +359,18 @@ class OneSidedBackend(Backend):
             self.check_errors()
         return self.kernels.recoverable_pending()
 
-    def _abandon(self, reason: BaseException, fatal: bool = True) -> None:
-        """Tell the peers this rank gives up its current call (they raise instead of timing out).  A
-        dispatch abandoned without an input verdict leaves the peers' hosts on the way to a combine
-        that this rank will not make (``fatal``: every later call raises); an abandoned combine does
-        not (every rank's next call is a dispatch)."""
+    def _abandon(self, reason: BaseException, calls: int) -> None:
+        """Tell the peers this rank gives up its current call without an input verdict (they raise by
+        a later call instead of timing out).  A dispatch gives up 2 call numbers, its own and that of
+        the combine the peers' hosts are already on their way to; a combine gives up 1.  The ranks stay
+        in step either way."""
         if capturing_graph(self.ctx.device) or self._fatal is not None:
             return
-        if fatal:
-            self._fatal = _abandoned(self.ctx.rank, reason)
         try:
-            self.kernels.abort()
+            self.kernels.abort(calls)
         except Exception as exc:  # noqa: BLE001 - the caller's error is the one to report
-            self._fatal = self._fatal or EPError(f"rank {self.ctx.rank}: the abort signal could not be sent "
-                                                 f"({exc}); create a new Communicator")
+            self._fatal = EPError(f"rank {self.ctx.rank}: the abort signal could not be sent ({exc}); create a new "
+                                  "Communicator")
 
     def _skipped_error(self) -> EPInputError:
         """The error of a dispatch every rank skipped because some rank's input was bad."""
@@ -438,11 +436,6 @@ def kernels_unavailable(ctx: BackendContext) -> str:
     if ctx.num_local_experts > Limit.MAX_LOCAL_EXPERTS:
         return f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of {Limit.MAX_LOCAL_EXPERTS}"
     return ""
-
-
-def _abandoned(rank: int, reason: BaseException) -> EPError:
-    return EPError(f"communicator unusable: rank {rank} abandoned a call after invalid input "
-                   f"({type(reason).__name__}: {reason}); create a new Communicator")
 
 
 def _invalid_ids_error(topk_ids: torch.Tensor, num_experts: int, rank: int) -> EPInputError:

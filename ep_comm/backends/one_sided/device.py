@@ -113,9 +113,10 @@ class Kernels:
                 dest: torch.Tensor, out: torch.Tensor, phases: int) -> None:
         self.ops.combine(expert_out, row_ids, row_w, row_slot, dest, self.state, self.peer_base, out, self.cfg, phases)
 
-    def abort(self) -> None:
-        """Signal every peer that this rank gives up its current call."""
-        self.ops.abort(self.state, self.peer_base, self.cfg)
+    def abort(self, calls: int) -> None:
+        """Signal every peer that this rank gives up ``calls`` call numbers from the current one: 1, a
+        combine; 2, a dispatch and the combine that would have followed it."""
+        self.ops.abort(self.state, self.peer_base, self.cfg, calls)
 
     # -- the input verdict (eager calls with validate_ids) ---------------------------------------------
     def start_verdict(self, topk_ids: torch.Tensor) -> None:

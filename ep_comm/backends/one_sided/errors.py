@@ -69,18 +69,19 @@ def error_from(report: StatusReport, last: list[int], rank: int, backend: str, t
         return "; ".join(f"rank {r} last signalled {describe_code(last[r])}" for r in ranks)
 
     error: Optional[EPError] = None
-    # a peer that abandoned a combine is back in step with its next call (a dispatch on every rank)
-    abandoned_combine = (report.expected_code & 3) == Op.COMBINE and not (
-        report.local_stall or report.overflow or report.row_format
-        or report.ranks_with(Reason.TIMEOUT | Reason.MISMATCH | Reason.FORMAT))
+    # a peer that abandoned a call gave up the call numbers its peers made meanwhile: in step again
+    only_aborts = not (report.local_stall or report.overflow or report.row_format
+                       or report.ranks_with(Reason.TIMEOUT | Reason.MISMATCH | Reason.FORMAT))
     if report.local_stall:
         error = EPError(f"rank {rank}: {backend} kernel blocks were not all resident within timeout_s={timeout_s:g} "
                         f"(num_sms={num_sms} too large while other kernels hold the GPU?)")
     elif report.ranks_with(Reason.ABORT):
         aborted = report.ranks_with(Reason.ABORT)
+        which = ("that dispatch and of the combine after it" if (report.expected_code & 3) == Op.DISPATCH
+                 else "that combine")
         error = EPInputError(f"invalid input on peer rank(s) {aborted}: they abandoned {expected} (their own "
-                             f"error says why); this rank's result of that call is incomplete")
-        if abandoned_combine:
+                             f"error says why); this rank's result of {which} lacks their part")
+        if only_aborts:
             return error, False
     elif report.ranks_with(Reason.TIMEOUT):
         missing, waiting = behind_and_in_step(report.ranks_with(Reason.TIMEOUT), last, report.expected_code)

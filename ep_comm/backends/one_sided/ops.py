@@ -10,7 +10,7 @@ peers' buffers mapped by ``ep_comm.memory``) or ``nvshmem`` (``ep_comm._C_nvshme
     <prefix>_dispatch_recv(x, x_scales?, state!, work!, peer_base, out_x!, out_scales!, row_ids!, row_w!,
                            row_slot!, counts!, cfg) -> ()     the receive half after phases=SEND
     <prefix>_combine(expert_out, row_ids, row_w, row_slot, dest, state!, peer_base, out!, cfg, phases=3) -> ()
-    <prefix>_abort(state!, peer_base, cfg) -> ()
+    <prefix>_abort(state!, peer_base, cfg, calls=1) -> ()
     <prefix>_verdict(topk_ids?, own_bad, advance, state!, peer_base, cfg) -> ()
                            the input verdict in front of a dispatch launched with Phase.CHECKED
 
@@ -137,7 +137,7 @@ def _register_fakes(prefix: str) -> None:
         return None
 
     @torch.library.register_fake(lib + "_abort")
-    def _abort_fake(state, peer_base, cfg):
+    def _abort_fake(state, peer_base, cfg, calls=1):
         return None
 
     @torch.library.register_fake(lib + "_verdict")

@@ -616,6 +616,55 @@ def bad_input_recovery_worker(backend: str = "mnnvl", layout: str = "batched", z
     return problems
 
 
+def validation_off_recovery_worker(backend: str = "mnnvl", layout: str = "standard") -> list[str]:
+    """``validate_ids=False``: a dispatch whose input rank 0's host refuses is abandoned with an abort of
+    two call numbers; rank 0 raises at once, its peers by their combine (after its launch) or
+    ``check_errors()``, and the next call on the same communicator matches the oracle on every rank.
+    The same when every rank refuses the same call."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    cfg = cases.make_cfg(world, backend, layout, None, timeout_s=60.0, validate_ids=False)
+    problems: list[str] = []
+    seed = iter(range(500, 600))
+    with ep_comm.Communicator(cfg, device=device) as comm:
+        def clean(what: str) -> None:
+            inputs = oracle.random_inputs(cfg, world, next(seed))
+            mine = inputs[rank].to(comm.device)
+            d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+            comm.check_errors()
+            problems.extend(f"{what}: {p}" for p in
+                            oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank]))
+
+        def refused(what: str, bad: set) -> None:
+            mine = oracle.random_inputs(cfg, world, next(seed))[rank].to(comm.device)
+            if rank in bad:
+                _expect_error(problems, what, lambda: comm.dispatch(mine.x[:, : cfg.hidden // 2], mine.topk_ids,
+                                                                    mine.topk_weights), "hidden")
+                return
+            others = sorted(bad)
+
+            def layer() -> None:  # what the peers' hosts do before they can know
+                d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+                comm.combine(cases.graph_experts(cfg, rank, world, d), d)
+                comm.check_errors()
+            _expect_error(problems, what, layer, f"peer rank(s) {others}", "abandoned dispatch")
+
+        clean("clean 1")
+        clean("clean 2")
+        refused("rank 0's hidden size", {0})
+        clean("after rank 0's hidden size")
+        clean("after rank 0's hidden size, again")
+        refused("every rank's hidden size", set(range(world)))
+        clean("after every rank's hidden size")
+    return problems
+
+
+def test_a_refused_dispatch_with_validation_off_is_raised_everywhere_and_the_next_call_works():
+    for rank, problems in enumerate(_spawn(validation_off_recovery_worker, "mnnvl", "standard", timeout_s=240)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
 def test_bad_input_on_any_rank_is_raised_everywhere_and_the_next_call_works():
     for rank, problems in enumerate(_spawn(bad_input_recovery_worker, "mnnvl", "batched", timeout_s=240)):
         assert problems == [], f"rank {rank}: {problems}"

@@ -18,7 +18,7 @@ from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
 from .test_mnnvl import (RECREATE_CYCLES, bad_input_recovery_worker, check_recreated, compile_worker,
-                         recreate_after_timeout_worker, skip_worker)
+                         recreate_after_timeout_worker, skip_worker, validation_off_recovery_worker)
 
 
 def _why_skip() -> str:
@@ -291,3 +291,8 @@ def test_close_and_create_again_after_a_timeout():
     collectively, so a new communicator starts in the same processes; memory and fds stay flat."""
     results = _spawn(recreate_after_timeout_worker, "nvshmem", RECREATE_CYCLES, timeout_s=560)
     check_recreated(results, RECREATE_CYCLES)
+
+
+def test_a_refused_dispatch_with_validation_off_is_raised_everywhere_and_the_next_call_works():
+    for rank, problems in enumerate(_spawn(validation_off_recovery_worker, "nvshmem", "batched", timeout_s=240)):
+        assert problems == [], f"rank {rank}: {problems}"
