@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 from typing import Any, Optional
 
 from . import faults, format_table, stress_cases, stress_kill
 from .launcher import RankEnv
+
+HEARTBEAT_S = 60.0  # a log line per this many seconds one iteration runs
 
 
 def replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: list[str]) -> str:
@@ -105,12 +109,18 @@ def print_summary(env: RankEnv, args: argparse.Namespace, stats: dict, failed: l
 
 class Progress:
     """On a terminal tqdm when installed, else a \\r counter; into a log (not a terminal) a line per 10 %,
-    whether tqdm is installed or not (its redrawn bar makes an unreadable log)."""
+    whether tqdm is installed or not (its redrawn bar makes an unreadable log), and a line whenever an
+    iteration has run for ``heartbeat_s`` more seconds (a stuck run then says where it is)."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, heartbeat_s: float = HEARTBEAT_S):
         self.total, self.enabled, self.done, self.failures = total, enabled, 0, 0
         self.bar: Any = None
         self.tty = enabled and sys.stderr.isatty()
+        self._heartbeat_s = heartbeat_s
+        self._since = time.monotonic()
+        self._timer: Optional[threading.Timer] = None
+        if enabled and not self.tty:
+            self._arm()
         if self.tty:
             try:
                 from tqdm import tqdm
@@ -119,9 +129,24 @@ class Progress:
             except ImportError:
                 self.bar = None
 
+    def _arm(self, delay_s: Optional[float] = None) -> None:
+        self._timer = threading.Timer(self._heartbeat_s if delay_s is None else delay_s, self._beat)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _beat(self) -> None:
+        idle = time.monotonic() - self._since
+        if idle < self._heartbeat_s:  # an iteration ended meanwhile: look again when this one is due
+            self._arm(self._heartbeat_s - idle)
+            return
+        print(f"stress: iteration {self.done + 1} of {self.total} still running after {idle:.0f} s "
+              f"({self.failures} failing so far)", file=sys.stderr, flush=True)
+        self._arm()
+
     def update(self, failures: int) -> None:
         if not self.enabled:
             return
+        self._since = time.monotonic()
         self.done += 1
         self.failures = failures
         if self.bar is not None:
@@ -140,6 +165,9 @@ class Progress:
             sys.stderr.write("\r" + " " * 60 + "\r")
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -89,3 +89,22 @@ def test_case_inputs_handle_zero_token_ranks_with_skewed_routing():
     assert inputs[1].topk_ids.shape == (0, 2) and inputs[1].topk_ids.dtype == torch.int32
     hot = {int(i.topk_ids[0, 0]) for i in inputs if i.x.shape[0]}
     assert len(hot) == 1  # skewed: every token's first choice is the same expert
+
+
+def test_a_long_iteration_says_so_in_a_log(capsys):
+    """Off a terminal the progress prints a line whenever one iteration runs for heartbeat_s more
+    seconds: a stuck run says where it is instead of going silent."""
+    import time
+
+    from ep_comm.cli.stress_report import Progress
+
+    progress = Progress(10, enabled=True, heartbeat_s=0.05)
+    try:
+        time.sleep(0.3)
+        progress.update(0)
+    finally:
+        progress.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "still running" in line]
+    assert lines and lines[0].startswith("stress: iteration 1 of 10 still running after"), lines
+    time.sleep(0.15)  # closed: no more lines
+    assert "still running" not in capsys.readouterr().err
