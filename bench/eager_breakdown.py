@@ -191,7 +191,8 @@ def main() -> None:
               f"({ops.get('kernels', 0)} kernels in {ops.get('ops', 0)} aten ops on rank 0)")
     if args.ops:
         for op in ("dispatch", "combine"):
-            top = sorted(((n, c) for n, c in res[0]["ops"][op].items() if n not in ("ops", "kernels")), key=lambda t: -t[1])
+            top = sorted(((n, c) for n, c in res[0]["ops"][op].items() if n not in ("ops", "kernels")),
+                         key=lambda t: -t[1])
             print(f"  {op} kernels: " + ", ".join(f"{n} {c}" for n, c in top))
     labels = sorted({k for r in res for k in r["pieces"]}, key=lambda k: -max(r["pieces"].get(k, 0) for r in res))
     for k in labels:

@@ -8,9 +8,9 @@ flags released (last block), per source the flag seen and its rows laid out, end
 captures dispatch and combine in CUDA graphs like ``ep-comm bench --mode graph``, replays each
 after lining the ranks up on the device, and prints per rank the median over ``--iters`` replays of
 each phase's time from the kernel's first block start (max over blocks), next to the CUDA-event
-time of the replay (ranks aligned and launch gap hidden as in the bench: ``launcher.align_devices``).  The stamps add block barriers, so the kernels run slightly slower than in the
-bench; the split is what matters.  Timers of different GPUs are not synchronised: compare phases
-within a rank.
+time of the replay (ranks aligned and launch gap hidden as in the bench: ``launcher.align_devices``).
+The stamps add block barriers, so the kernels run slightly slower than in the bench; the split is
+what matters.  Timers of different GPUs are not synchronised: compare phases within a rank.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Weights:
         self.w_in = torch.randn(experts, hidden, ffn, generator=g) / hidden**0.5
         self.w_out = torch.randn(experts, ffn, hidden, generator=g) / ffn**0.5
 
-    def to(self, device: torch.device) -> "Weights":
+    def to(self, device: torch.device) -> Weights:
         for name in ("router", "w_in", "w_out"):
             setattr(self, name, getattr(self, name).to(device))
         return self

@@ -25,7 +25,8 @@ def _good(cfg, world, rank, seed=5):
 
 # Each entry: name -> function(cfg, good RankInput) returning dispatch kwargs with one bad argument.
 BAD_DISPATCH = {
-    "x wrong hidden": lambda c, g: dict(x=torch.randn(4, c.hidden + 1).to(c.dtype), topk_ids=g.topk_ids[:4], topk_weights=g.topk_weights[:4]),
+    "x wrong hidden": lambda c, g: dict(x=torch.randn(4, c.hidden + 1).to(c.dtype), topk_ids=g.topk_ids[:4],
+                                        topk_weights=g.topk_weights[:4]),
     "x 3-D": lambda c, g: dict(x=g.x.unsqueeze(0), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
     "x fp32 vs bf16 config": lambda c, g: dict(x=g.x.float(), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
     "x on meta device": lambda c, g: dict(x=g.x.to("meta"), topk_ids=g.topk_ids, topk_weights=g.topk_weights),
@@ -36,10 +37,13 @@ BAD_DISPATCH = {
     "ids wrong k": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids[:, :2], topk_weights=g.topk_weights),
     "weights fp16": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights.half()),
     "weights wrong T": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights[:-1]),
-    "id too large": lambda c, g: dict(x=g.x, topk_ids=torch.where(torch.arange(g.topk_ids.numel()).view_as(g.topk_ids) == 4,
-                                                                   c.num_experts, g.topk_ids).int(), topk_weights=g.topk_weights),
+    "id too large": lambda c, g: dict(x=g.x,
+                                      topk_ids=torch.where(torch.arange(g.topk_ids.numel()).view_as(g.topk_ids) == 4,
+                                                           c.num_experts, g.topk_ids).int(),
+                                      topk_weights=g.topk_weights),
     "id below -1": lambda c, g: dict(x=g.x, topk_ids=torch.full_like(g.topk_ids, -3), topk_weights=g.topk_weights),
-    "x_scales wrong T": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights, x_scales=torch.ones(2, 3)),
+    "x_scales wrong T": lambda c, g: dict(x=g.x, topk_ids=g.topk_ids, topk_weights=g.topk_weights,
+                                          x_scales=torch.ones(2, 3)),
     "opaque payload too wide": lambda c, g: dict(x=torch.zeros(g.x.shape[0], c.hidden * 2 + 1, dtype=torch.uint8),
                                                  topk_ids=g.topk_ids, topk_weights=g.topk_weights),
     "x not a tensor": lambda c, g: dict(x=[[1.0]], topk_ids=g.topk_ids, topk_weights=g.topk_weights),
@@ -54,7 +58,8 @@ def bad_dispatch_worker(backend: str):
     with ep_comm.Communicator(cfg) as comm:
         for name, make in BAD_DISPATCH.items():
             good = _good(cfg, world, rank)
-            args = make(cfg, good) if rank == 0 else dict(x=good.x, topk_ids=good.topk_ids, topk_weights=good.topk_weights)
+            args = (make(cfg, good) if rank == 0
+                    else dict(x=good.x, topk_ids=good.topk_ids, topk_weights=good.topk_weights))
             t0 = time.monotonic()
             try:
                 comm.dispatch(**args)
@@ -65,13 +70,15 @@ def bad_dispatch_worker(backend: str):
         good = _good(cfg, world, rank, seed=9)
         d = comm.dispatch(good.x, good.topk_ids, good.topk_weights)
         y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-        out["recovered"] = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, oracle.random_inputs(cfg, world, 9))[rank])
+        out["recovered"] = oracle.compare_combine(
+            cfg, y, oracle.expected_combine(cfg, oracle.random_inputs(cfg, world, 9))[rank])
     return out
 
 
 @pytest.mark.parametrize("backend", ["naive", "ag_rs"])
 def test_bad_dispatch_input_raises_typed_error_on_every_rank(backend):
-    results = raise_on_failure(spawn_local(bad_dispatch_worker, 2, (backend,), timeout_s=180, extra_env=lambda r: CPU_ONLY))
+    results = raise_on_failure(spawn_local(bad_dispatch_worker, 2, (backend,), timeout_s=180,
+                                           extra_env=lambda r: CPU_ONLY))
     for rank, res in enumerate(results):
         assert res.pop("recovered") == []
         for name, (etype, msg, secs) in res.items():
@@ -126,7 +133,8 @@ def bad_combine_worker():
 
 
 def test_bad_combine_input_raises_on_every_rank():
-    for rank, res in enumerate(raise_on_failure(spawn_local(bad_combine_worker, 2, timeout_s=120, extra_env=lambda r: CPU_ONLY))):
+    results = raise_on_failure(spawn_local(bad_combine_worker, 2, timeout_s=120, extra_env=lambda r: CPU_ONLY))
+    for rank, res in enumerate(results):
         for name, value in res.items():
             if name.endswith("recovered"):
                 assert value is True
@@ -137,7 +145,8 @@ def test_bad_combine_input_raises_on_every_rank():
 def indivisible_worker():
     ep_comm.init_distributed()
     try:
-        ep_comm.Communicator(ep_comm.EPConfig(num_experts=6, top_k=2, hidden=128, max_tokens_per_rank=4, backend="naive"))
+        ep_comm.Communicator(ep_comm.EPConfig(num_experts=6, top_k=2, hidden=128, max_tokens_per_rank=4,
+                                              backend="naive"))
     except ep_comm.EPConfigError as exc:
         return str(exc)
     return "no error"
@@ -203,7 +212,8 @@ def epoch_mismatch_worker():
 
 
 def test_peer_on_another_call_is_detected_not_mixed():
-    for rank, msg in enumerate(raise_on_failure(spawn_local(epoch_mismatch_worker, 2, timeout_s=60, extra_env=lambda r: CPU_ONLY))):
+    results = raise_on_failure(spawn_local(epoch_mismatch_worker, 2, timeout_s=60, extra_env=lambda r: CPU_ONLY))
+    for rank, msg in enumerate(results):
         assert "epoch" in msg and "same order" in msg, f"rank {rank}: {msg}"
         other = 1 - rank
         assert f"rank {other} is in" in msg

@@ -37,7 +37,8 @@ def test_expected_dispatch_by_hand():
     exp = oracle.expected_dispatch(tiny_cfg(), tiny_inputs())
     # rank 0 gets token (0,0) for local expert 0 and token (0,1) for local expert 1 (merged weight 0.3)
     assert dict(exp[0].rows) == {key([1, 2, 3, 4]): [{0: 0.5}], key([5, 6, 7, 8]): [{1: pytest.approx(0.3)}]}
-    assert exp[0].per_expert == [collections.Counter({key([1, 2, 3, 4]): 1}), collections.Counter({key([5, 6, 7, 8]): 1})]
+    assert exp[0].per_expert == [collections.Counter({key([1, 2, 3, 4]): 1}),
+                                 collections.Counter({key([5, 6, 7, 8]): 1})]
     # rank 1 gets token (0,0) for local expert 1 (global 3) and token (1,0) for local expert 0 (global 2)
     assert dict(exp[1].rows) == {key([1, 2, 3, 4]): [{1: 0.25}], key([-1, -2, -3, -4]): [{0: 0.75}]}
 

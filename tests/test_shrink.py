@@ -74,7 +74,8 @@ def test_oracle_without_the_experts_of_inactive_ranks() -> None:
         assert sum(map(len, part[r].rows.values())) < sum(map(len, full[r].rows.values()))
     y_full = oracle.expected_combine(cfg, inputs)
     y_part = oracle.expected_combine(cfg, inputs, active_ranks=active)
-    only_active = oracle.expected_combine(cfg, inputs, lambda xf, e: oracle.test_expert(xf, e) * float(e // L in active))
+    only_active = oracle.expected_combine(cfg, inputs,
+                                          lambda xf, e: oracle.test_expert(xf, e) * float(e // L in active))
     for r in range(world):
         torch.testing.assert_close(y_part[r], only_active[r])
     assert not torch.equal(y_part[0], y_full[0])

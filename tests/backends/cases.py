@@ -60,7 +60,8 @@ def init_rank():
     return ep_comm.init_distributed(), None
 
 
-def make_cfg(world: int, backend: str, layout: str, quant: Optional[str], max_tokens: int = 16, **kw) -> ep_comm.EPConfig:
+def make_cfg(world: int, backend: str, layout: str, quant: Optional[str], max_tokens: int = 16,
+             **kw) -> ep_comm.EPConfig:
     """The tests' small shape; any EPConfig field can be overridden through ``kw``."""
     fields = dict(num_experts=EXPERTS_PER_RANK * world, top_k=4, hidden=HIDDEN, dtype=torch.bfloat16, timeout_s=60.0)
     fields.update(kw)
@@ -339,7 +340,8 @@ def _input_buffer_problems(backend: str, world: int, rank: int, device, hooks: b
     with ep_comm.Communicator(make_cfg(world, backend, "standard", "fp8", zero_copy=True), device=device) as comm:
         local = comm._impl.buffer.local
         if local.data_ptr() <= comm.dispatch_input_buffer().data_ptr() < local.data_ptr() + local.numel():
-            problems.append("fp8: the input buffer is inside the receive buffer (the quantised rows would overwrite it)")
+            problems.append("fp8: the input buffer is inside the receive buffer "
+                            "(the quantised rows would overwrite it)")
     return problems
 
 
@@ -560,7 +562,7 @@ def unchecked_ids(backend: str) -> dict:
         with ep_comm.Communicator(cfg, device=device) as comm:
             cuda = comm.device.type == "cuda"
 
-            def no_sync(call, *args):
+            def no_sync(call, *args, cuda=cuda):
                 """``call(*args)``; on a GPU any host synchronisation inside it raises."""
                 if not cuda:
                     return call(*args)
@@ -571,7 +573,7 @@ def unchecked_ids(backend: str) -> dict:
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
 
-            def run(inputs, expected, label: str) -> None:
+            def run(inputs, expected, label: str, *, cfg=cfg, problems=problems) -> None:
                 mine = inputs[rank].to(comm.device)
                 d = no_sync(comm.dispatch, mine.x, mine.topk_ids, mine.topk_weights)
                 y = no_sync(comm.combine, oracle.run_experts(cfg, rank, world, d), d)
@@ -580,7 +582,7 @@ def unchecked_ids(backend: str) -> dict:
                 problems.extend(f"{label} combine: {p}" for p in
                                 oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, expected)[rank]))
 
-            def bad_inputs(seed: int):
+            def bad_inputs(seed: int, *, cfg=cfg):
                 inputs = oracle.random_inputs(cfg, world, seed, tokens=[6] * world, p_duplicate=0.2)
                 bad = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in inputs]
                 bad[0].topk_ids[0, 1] = cfg.num_experts + 3

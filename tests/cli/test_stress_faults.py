@@ -66,7 +66,8 @@ def test_plan_is_reproducible_and_covers_every_kind():
                                                   (None, "uint8", 0)])
 def test_every_dispatch_fault_is_refused_by_the_checks_with_the_precise_words(quant, payload, scales):
     cfg = EPConfig(num_experts=8, top_k=2, hidden=128, max_tokens_per_rank=8, quant=quant)
-    case = stress_cases.plan(argparse.Namespace(seed=0, max_tokens=8, inject_fault=False, start=0, iters=1), 0, 2, False)
+    case = stress_cases.plan(argparse.Namespace(seed=0, max_tokens=8, inject_fault=False, start=0, iters=1),
+                             0, 2, False)
     case.quant, case.payload, case.scales_width, case.tokens = quant, payload, scales, [5, 0]
     inputs = stress_cases.case_inputs(cfg, case)
     for i, kind in enumerate(k for k in faults.KINDS if k != "expert_out"):

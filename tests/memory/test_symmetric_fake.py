@@ -156,8 +156,9 @@ def _rw_worker(seed: int, nbytes: int, cycles: int, fabric: bool) -> dict:
         b.local.fill_(i % 251)
         b.close()
     ex.barrier()
-    return {"plan": plan, "owners_ok": owners_ok, "origins_ok": origins_ok, "got_ok": got_ok, "read_ok": read_ok, "ptrs": ptrs, "stride": stride,
-            "live_after": live_after, "live_end": fake.live(), "fd_leak": _fd_leak(fds_before)}
+    return {"plan": plan, "owners_ok": owners_ok, "origins_ok": origins_ok, "got_ok": got_ok, "read_ok": read_ok,
+            "ptrs": ptrs, "stride": stride, "live_after": live_after, "live_end": fake.live(),
+            "fd_leak": _fd_leak(fds_before)}
 
 
 def _check_rw(values: list[dict], world: int) -> None:

@@ -21,7 +21,7 @@ def matrix(world: int) -> dict:
     return _cache[world]
 
 
-ALL_CASES = [f"{b}/{l}/{p}/{s}" for b in ("naive", "ag_rs") for l in ("standard", "batched")
+ALL_CASES = [f"{b}/{layout}/{p}/{s}" for b in ("naive", "ag_rs") for layout in ("standard", "batched")
              for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
 
 

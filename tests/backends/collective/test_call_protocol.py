@@ -53,7 +53,7 @@ def order_worker(backend: str) -> dict:
         with ep_comm.Communicator(cfg) as comm:
             _record(comm, log, fail_pack)
 
-            def call(ids=mine.topk_ids):
+            def call(ids=mine.topk_ids, *, mine=mine, log=log):
                 log.clear()
                 try:
                     d = comm.dispatch(mine.x, ids, mine.topk_weights)

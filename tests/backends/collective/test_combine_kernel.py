@@ -65,7 +65,8 @@ def _case(rows: int, k: int, slots: int, hidden: int, p_local: float, dtype: tor
 
 def _check(got: torch.Tensor, want: torch.Tensor, seed: int, what: str) -> None:
     assert torch.isfinite(got).all(), f"{what}: NaN/Inf leaked (seed {seed})"
-    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} (seed {seed}): {m}")
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{what} (seed {seed}): {m}")
 
 
 SHAPES = [  # rows, k, slots, hidden, p_local

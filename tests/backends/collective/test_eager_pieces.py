@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from ep_comm import EPConfig
-from ep_comm.errors import EPError, EPInputError
 from ep_comm.backends.collective.error_counts import ErrorCounts
 from ep_comm.backends.collective.invalid_ids import InvalidIds
 from ep_comm.backends.collective.packing import Gathered, RoutedBatch, layout_for, pack, unpack
 from ep_comm.backends.collective.selection import select_local
+from ep_comm.errors import EPError, EPInputError
 from ep_comm.routing import sanitize_routing
 
 

@@ -24,7 +24,7 @@ def _run(name, fn):
     return _cache[name]
 
 
-MATRIX_CASES = [f"{b}/{l}/{p}/{s}" for b in ("naive", "ag_rs") for l in ("standard", "batched")
+MATRIX_CASES = [f"{b}/{layout}/{p}/{s}" for b in ("naive", "ag_rs") for layout in ("standard", "batched")
                 for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
 
 
@@ -35,7 +35,8 @@ def test_nccl_matches_oracle(case):
     assert results[case] == [], "\n".join(results[case])
 
 
-GRAPH_CASES = [f"{b}/{l}/{q}" for b in ("naive", "ag_rs") for l in ("standard", "batched") for q in ("bf16", "fp8")]
+GRAPH_CASES = [f"{b}/{layout}/{q}" for b in ("naive", "ag_rs") for layout in ("standard", "batched")
+               for q in ("bf16", "fp8")]
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES)

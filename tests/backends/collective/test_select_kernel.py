@@ -68,7 +68,8 @@ def _same(got, want, ctx, msg: str) -> None:
     assert got.x.shape == want.x.shape and got.x.dtype == want.x.dtype, msg
     n = got.expert_num_tokens.tolist()
     for e in range(ctx.num_local_experts):  # only the filled slots: padding is unspecified
-        assert torch.equal(got.x[e, : n[e]].view(torch.uint8), want.x[e, : n[e]].view(torch.uint8)), f"{msg}, expert {e}"
+        assert torch.equal(got.x[e, : n[e]].view(torch.uint8),
+                           want.x[e, : n[e]].view(torch.uint8)), f"{msg}, expert {e}"
         if want.x_scales is not None:
             assert torch.equal(got.x_scales[e, : n[e]], want.x_scales[e, : n[e]]), f"{msg}, expert {e} scales"
 

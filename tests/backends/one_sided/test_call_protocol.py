@@ -102,7 +102,7 @@ class RecordingBackend(MnnvlBackend):
         return Availability(True)
 
     @classmethod
-    def create(cls, ctx) -> "RecordingBackend":
+    def create(cls, ctx) -> RecordingBackend:
         layout = BufferLayout.for_config(ctx.cfg, ctx.world_size)
         buf = types.SimpleNamespace(local=torch.zeros(layout.nbytes, dtype=torch.uint8), peer_ptrs=None)
         return cls(ctx, buf, layout, RecordingKernels(ctx))

@@ -11,6 +11,7 @@ from ep_comm.backends.one_sided import layout as lay_mod
 from ep_comm.backends.protocol import Cfg, Limit, Phase, Reason, Stamp, Status, Trace, describe_code, latest_code
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
+
 def test_zero_copy_reaches_the_kernels_for_the_standard_layout():
     cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16)
     lay = lay_mod.BufferLayout.for_config(cfg, 2)

@@ -51,7 +51,8 @@ def _assert_clean(case, name, fn, *args):
     assert results[case] == [], "\n".join(results[case])
 
 
-MATRIX = [f"mnnvl/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS for s in cases.scenarios(2, 16)]
+MATRIX = [f"mnnvl/{layout}/{p}/{s}" for layout in ("standard", "batched") for p in cases.PAYLOADS
+          for s in cases.scenarios(2, 16)]
 
 
 @pytest.mark.parametrize("case", MATRIX)
@@ -59,7 +60,7 @@ def test_matches_oracle(case):
     _assert_clean(case, "matrix", cases.backend_matrix, ("mnnvl",), ("standard", "batched"), 2)
 
 
-GRAPH = [f"mnnvl/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp8")]
+GRAPH = [f"mnnvl/{layout}/{q}" for layout in ("standard", "batched") for q in ("bf16", "fp8")]
 
 
 @pytest.mark.parametrize("case", GRAPH)
@@ -170,9 +171,11 @@ def hook_misuse_worker() -> list[str]:
         except ep_comm.EPError as exc:
             if "already ran" not in str(exc):
                 problems.append(f"unexpected message: {exc}")
-        problems += [f"dispatch: {p}" for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
+        problems += [f"dispatch: {p}"
+                     for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
         y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)  # in step after the refusal
-        problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+        problems += [f"combine: {p}"
+                     for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
         comm.check_errors()
     return problems
 
@@ -232,7 +235,7 @@ def grouped_graph_worker(env: str) -> dict:
         del os.environ[lay_mod.COMBINE_GROUPED_ENV]
 
 
-GROUPED = [f"forced/{m}/{l}/{p}/{s}" for m in GROUPED_MODES.values() for l in ("standard", "batched")
+GROUPED = [f"forced/{m}/{layout}/{p}/{s}" for m in GROUPED_MODES.values() for layout in ("standard", "batched")
            for p in ("bf16+scales", "fp8") for s in cases.scenarios(2, 96)] + ["by_size/standard", "by_size/batched"]
 
 
@@ -271,7 +274,8 @@ def variants_worker() -> dict:
                 # expert rows rounded to bf16 on one side: the bf16 tolerance holds for both
                 loose = cfg.replace(dtype=torch.bfloat16)
                 out[f"{layout}/{dtype}/experts_{expert_dtype}"] = problems + [
-                    f"combine: {p}" for p in oracle.compare_combine(loose, y, oracle.expected_combine(cfg, inputs)[rank])]
+                    f"combine: {p}"
+                    for p in oracle.compare_combine(loose, y, oracle.expected_combine(cfg, inputs)[rank])]
 
         # int64 ids and validation off: not one host synchronisation inside dispatch/combine; then
         # out-of-range ids, which the kernel treats as -1 and counts
@@ -330,7 +334,7 @@ def variants_worker() -> dict:
     return out
 
 
-VARIANTS = [f"{l}/{v}" for l in ("standard", "batched")
+VARIANTS = [f"{layout}/{v}" for layout in ("standard", "batched")
             for v in ("torch.float16", "torch.float32", "fp8/int64_ids/validation_off",
                       "torch.bfloat16/experts_torch.float32", "torch.float32/experts_torch.bfloat16")]
 

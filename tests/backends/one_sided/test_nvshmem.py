@@ -17,8 +17,15 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
-from .test_mnnvl import (RECREATE_CYCLES, bad_input_recovery_worker, check_recreated, compile_worker,
-                         recreate_after_timeout_worker, skip_worker, validation_off_recovery_worker)
+from .test_mnnvl import (
+    RECREATE_CYCLES,
+    bad_input_recovery_worker,
+    check_recreated,
+    compile_worker,
+    recreate_after_timeout_worker,
+    skip_worker,
+    validation_off_recovery_worker,
+)
 
 
 def _why_skip() -> str:
@@ -51,9 +58,9 @@ def _assert_clean(case, name, fn, *args, env: dict | None = None):
     assert results[case] == [], "\n".join(results[case])
 
 
-MATRIX = [f"nvshmem/{l}/{p}/{s}" for l in ("standard", "batched") for p in cases.PAYLOADS
+MATRIX = [f"nvshmem/{layout}/{p}/{s}" for layout in ("standard", "batched") for p in cases.PAYLOADS
           for s in cases.scenarios(2, 16)]
-GRAPH = [f"nvshmem/{l}/{q}" for l in ("standard", "batched") for q in ("bf16", "fp8")]
+GRAPH = [f"nvshmem/{layout}/{q}" for layout in ("standard", "batched") for q in ("bf16", "fp8")]
 
 
 @pytest.mark.parametrize("case", MATRIX)
