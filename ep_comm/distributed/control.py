@@ -204,9 +204,11 @@ class ControlPlane:
                      self.timeout_s, join_s=2 * self.timeout_s + SETTLE_S)
         return plane
 
-    def _join(self, window_s: float) -> None:
-        """Wait until every member has arrived, up to ``window_s``; ``EPTimeoutError`` naming the absent."""
-        keys = [f"joined/{r}" for r in range(self.size)]
+    def meet(self, name: str, window_s: float) -> None:
+        """Wait on the store until every member has reached the point ``name`` (once per plane and
+        name), up to ``window_s``, which may exceed the gloo group's ``timeout_s``.  ``EPTimeoutError``
+        naming the absent members (all of them when the store itself fails)."""
+        keys = [f"{name}/{r}" for r in range(self.size)]
         try:
             self.store.set(keys[self.rank], "1")
             self.store.wait(keys, datetime.timedelta(seconds=window_s))
@@ -214,10 +216,17 @@ class ControlPlane:
         except Exception as exc:  # noqa: BLE001 - a timeout or a store failure: name who is missing
             cause = exc
         absent = [self.labels[r] for r, key in enumerate(keys) if not self._store_call(self.store.check, [key])]
-        raise EPTimeoutError(
-            f"rank {self.me}: ranks {absent} did not join the survivors' control plane over ranks {self.labels} "
-            f"within {window_s:g} s ({_summary(cause)}); every survivor must shrink, naming the same lost ranks",
-            missing_ranks=absent) from cause
+        raise EPTimeoutError(f"rank {self.me}: ranks {absent} did not reach {name} within {window_s:g} s "
+                             f"({_summary(cause)})", missing_ranks=absent) from cause
+
+    def _join(self, window_s: float) -> None:
+        """Wait until every member has arrived, up to ``window_s``; ``EPTimeoutError`` naming the absent."""
+        try:
+            self.meet("joined", window_s)
+        except EPTimeoutError as exc:
+            raise EPTimeoutError(
+                f"{exc}: they did not join the survivors' control plane over ranks {self.labels}; every survivor "
+                "must shrink, naming the same lost ranks", missing_ranks=exc.missing_ranks) from exc
 
     def _survivors_store(self, token: str, keep: list[int]) -> dist.Store:
         try:

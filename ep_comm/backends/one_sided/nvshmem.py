@@ -12,7 +12,6 @@ every rank of a communicator:
 """
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 from typing import cast
@@ -78,16 +77,13 @@ class NvshmemMemory:
 
 def _every_rank_releases(ctx: BackendContext, wait_s: float) -> bool:
     """Whether every rank of the communicator reached this release within ``wait_s`` (and none is known
-    to be gone).  On the store rather than the control plane's gloo group, whose bound is timeout_s."""
-    control = ctx.control
+    to be gone)."""
     try:
-        if control.lost_peers():
+        if ctx.control.lost_peers():
             return False
-        store = control.store
-        store.set(f"release/{control.rank}", "1")
-        store.wait([f"release/{r}" for r in range(control.size)], datetime.timedelta(seconds=wait_s))
+        ctx.control.meet("release", wait_s)
         return True
-    except Exception:  # noqa: BLE001 - a store that fails us is a peer (or its host) gone: free nothing
+    except Exception:  # noqa: BLE001 - a peer missing, or the store (its host) gone: free nothing
         return False
 
 
