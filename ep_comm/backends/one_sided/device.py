@@ -84,6 +84,7 @@ class Kernels:
             self.active = self.active.to(dev)
             self.cfg[Cfg.ACTIVE_PTR] = self.active.data_ptr()
         self._verdict_done = torch.cuda.Event()  # recorded after the last queued input verdict
+        self._refusal_running = False  # the last verdict was a refusal's, not waited for by this host
         self._verdict_wait_spin = _spins_for_the_host(dev.index)
         # phase stamps for bench/kernel_trace.py: [2 ops][num_blocks][Trace.SLOTS] globaltimer ns
         self.trace: Optional[torch.Tensor] = None
@@ -125,8 +126,10 @@ class Kernels:
         is launched behind it and the host waits on the event afterwards (``wait_verdict``), so the GPU
         never idles while the host decides, and every rank learns in this call whether it runs."""
         # the words belong to the verdict queued last: a refusal's (never waited for) may still be
-        # running and would set them after this reset.  Otherwise the event has completed already.
-        self._verdict_done.synchronize()
+        # running and would set them after this reset; any other was waited for by wait_verdict
+        if self._refusal_running:
+            self._verdict_done.synchronize()
+            self._refusal_running = False
         self.words[Pending.IDS_CHECK] = self.words[Pending.VERDICT] = 0
         self.ops.verdict(topk_ids, 0, False, self.state, self.peer_base, self.cfg)
         self._verdict_done.record(torch.cuda.current_stream(self.device))
@@ -136,6 +139,7 @@ class Kernels:
         call (their dispatch kernels skip it) and take the call number, launching no dispatch."""
         self.ops.verdict(None, 1, True, self.state, self.peer_base, self.cfg)
         self._verdict_done.record(torch.cuda.current_stream(self.device))
+        self._refusal_running = True
 
     def wait_verdict(self) -> tuple[bool, bool]:
         """``(own_ids_bad, skipped)`` of the verdict queued last: one device-to-host synchronisation,
