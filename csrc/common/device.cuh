@@ -83,6 +83,22 @@ struct ErrorSink {
 // Set in a call flag written by an input verdict (dispatch.cu): the dispatch's code, but not its data.
 constexpr uint64_t kVerdictMark = 1ull << 63;
 
+// Whether a peer's call flag ``seen`` shows it on another call than ``expected`` (recorded): the same
+// call number with another op (an abort is a peer's input error, anything else a mismatch), or a
+// later call.  0, ``expected`` itself and stale codes of earlier calls are not.
+__device__ __forceinline__ bool on_other_call(uint32_t seen, uint32_t expected, int peer, const ErrorSink& err) {
+  if (seen == 0 || seen == expected) return false;
+  if (code_seq(seen) == code_seq(expected)) {
+    err.peer(peer, code_op(seen) == kOpAbort ? kReasonAbort : kReasonMismatch, seen, expected);
+    return true;
+  }
+  if (code_ahead(seen, expected)) {
+    err.peer(peer, kReasonMismatch, seen, expected);
+    return true;
+  }
+  return false;
+}
+
 // Wait until a peer's flag carries ``expected`` (unmarked).  Returns the flag (code in the low 32 bits) or 0
 // after recording why it gave up: timeout (peer missing), or a code that can only come from a
 // peer on another call.  Stale codes of earlier calls are waited through.
@@ -93,15 +109,7 @@ __device__ __forceinline__ uint64_t wait_flag(const uint64_t* flag, uint32_t exp
     const uint64_t v = ld_acquire_sys(flag);
     const uint32_t code = static_cast<uint32_t>(v);
     if (code == expected && !(v & kVerdictMark)) return v;
-    if (code != 0 && code != expected && code_seq(code) == code_seq(expected)) {
-      // same call number, other op: an abort is a peer's input error, anything else a mismatch
-      err.peer(peer, code_op(code) == kOpAbort ? kReasonAbort : kReasonMismatch, code, expected);
-      return 0;
-    }
-    if (code != 0 && code_ahead(code, expected)) {
-      err.peer(peer, kReasonMismatch, code, expected);
-      return 0;
-    }
+    if (on_other_call(code, expected, peer, err)) return 0;
     if ((++spins & 255u) == 0 && global_timer_ns() > deadline_ns) {
       err.peer(peer, kReasonTimeout, code, expected);
       err.count(kStatusTimeouts, 1);

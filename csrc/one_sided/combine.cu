@@ -180,12 +180,7 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
   uint32_t spins = 0;
   while (static_cast<uint32_t>(ld_acquire_sys(gf)) != code) {
     if ((++spins & 255u) != 0) continue;
-    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
-    if (other != 0 && other != code &&
-        ((code_seq(other) == code_seq(code) && code_op(other) != kOpCombine) || code_ahead(other, code))) {
-      err.peer(src, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
-      return false;
-    }
+    if (on_other_call(static_cast<uint32_t>(ld_acquire_sys(main)), code, src, err)) return false;
     if (global_timer_ns() > deadline) {
       err.peer(src, kReasonTimeout, static_cast<uint32_t>(ld_acquire_sys(gf)), code);
       err.count(kStatusTimeouts, 1);

@@ -17,12 +17,7 @@ __device__ __forceinline__ uint64_t wait_verdict(const Common& c, int parity, in
     const uint64_t v = ld_acquire_sys(slot);
     if (static_cast<uint32_t>(v) == code) return v;
     if ((++spins & 255u) != 0) continue;
-    const uint32_t other = static_cast<uint32_t>(ld_acquire_sys(main));
-    if (other != 0 && other != code &&
-        ((code_seq(other) == code_seq(code) && code_op(other) != kOpDispatch) || code_ahead(other, code))) {
-      err.peer(peer, code_op(other) == kOpAbort ? kReasonAbort : kReasonMismatch, other, code);
-      return 0;
-    }
+    if (on_other_call(static_cast<uint32_t>(ld_acquire_sys(main)), code, peer, err)) return 0;
     if (global_timer_ns() > deadline) {
       err.peer(peer, kReasonTimeout, static_cast<uint32_t>(v), code);
       err.count(kStatusTimeouts, 1);
