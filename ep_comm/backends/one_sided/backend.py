@@ -16,10 +16,10 @@ The host's part of a call, which makes no round trip to the peers:
     small kernel only (after launching the dispatch), and when any rank's input was bad (ids out of
     range, or input its host refused) every rank's dispatch kernel skips the call and every rank
     raises in this call; the call numbers stay in step and the communicator stays usable;
-  * input a rank cannot send without a verdict (validation off, graph capture) is abandoned with an
-    abort signal, so the peers raise instead of timing out; a dispatch abandoned that way ends the
-    communicator (the peers' hosts are already on the way to a combine this rank will not make),
-    an abandoned combine does not (the peers raise it after their next combine's launch);
+  * input a rank cannot send without a verdict (validation off, or a combine's) is abandoned with an
+    abort signal, so the peers raise instead of timing out (after their next combine's launch, or at
+    ``check_errors()``): an abandoned dispatch gives up its own call number and that of the combine
+    the peers are on their way to, an abandoned combine its own, so the ranks stay in step;
   * ids dropped with validation off are raised once the next combine has been launched, so the
     ranks stay in step.
 """
