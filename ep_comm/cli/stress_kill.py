@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Optional
 
-from ..communicator import Communicator
 from ..distributed.control import ControlPlane
 from ..errors import EPError, EPTimeoutError
 from . import faults
@@ -107,19 +106,6 @@ def read_kill_record(path: str) -> Optional[dict]:
         return None
 
 
-def shrunk(comm: Communicator, lost: list[int]) -> Communicator:
-    """``comm.shrink()`` as an engine calls it; where this communicator has not seen the loss and
-    cannot see it now (a peer on another host), the ranks every survivor drops alike."""
-    try:
-        return comm.shrink()
-    except EPTimeoutError:
-        raise
-    except EPError as exc:
-        if "no rank is known to be lost" not in str(exc):
-            raise
-        return comm.shrink(lost)
-
-
 def survive_kill(env: RankEnv, args: argparse.Namespace, kill: faults.Kill, exc: EPTimeoutError, t_iter: float,
                   comms: dict, variants: list, plane: ControlPlane) -> tuple[ControlPlane, KillOutcome]:
     """A survivor after the kill's error: shrink the results plane and every communicator (in the same
@@ -140,7 +126,9 @@ def survive_kill(env: RankEnv, args: argparse.Namespace, kill: faults.Kill, exc:
             comms.pop(key).close("its variant could not shrink")
             continue
         try:
-            comms[key] = new = shrunk(comms[key], lost)
+            # the ranks every survivor drops alike (each survivor's own error naming them is checked
+            # in KillAnswer); shrink() without them is the engine's path, tested where it is made
+            comms[key] = new = comms[key].shrink(lost)
         except EPTimeoutError:
             raise
         except EPError as err:
