@@ -2,8 +2,9 @@
 receive hooks; everything a transport does is its backend's (``ep_comm.backends``)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Literal, Optional, Union, overload
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -112,12 +113,9 @@ class Communicator:
         self._before_call(return_recv_hook)
         epoch, self._epoch = self._epoch, self._epoch + 1
         error = _checked(lambda: self._checks.dispatch(x, topk_ids, topk_weights, x_scales), "dispatch")
-        try:
+        with self._noting_losses():
             out, receive = self._impl.dispatch(DispatchCall(x, topk_ids, topk_weights, x_scales, epoch, error),
                                                return_recv_hook)
-        except EPTimeoutError as exc:
-            self._lost.update(exc.lost_ranks)  # what shrink() drops by default
-            raise
         out.owner = self
         return (out, self._new_hook(receive, "dispatch")) if return_recv_hook else out
 
@@ -150,11 +148,8 @@ class Communicator:
                 raise EPInputError("combine: `dispatched` must be the result of this communicator's dispatch")
             self._checks.combine(expert_out, dispatched, out)
         error = _checked(check, "combine")
-        try:
+        with self._noting_losses():
             result, receive = self._impl.combine(CombineCall(expert_out, dispatched, out, error), return_recv_hook)
-        except EPTimeoutError as exc:
-            self._lost.update(exc.lost_ranks)
-            raise
         return (result, self._new_hook(receive, "combine")) if return_recv_hook else result
 
     def dispatch_input_buffer(self) -> torch.Tensor:
@@ -204,7 +199,18 @@ class Communicator:
         call, peers' invalid input).  Synchronises the device and resets the counts (a timeout or a
         mismatch stays: the communicator cannot be used after it)."""
         self._check_open()
-        self._impl.check_errors()
+        with self._noting_losses():  # the kernel backends report most timeouts here
+            self._impl.check_errors()
+
+    @contextlib.contextmanager
+    def _noting_losses(self) -> Iterator[None]:
+        """Remember the ``lost_ranks`` of an ``EPTimeoutError`` raised inside: what ``shrink()`` drops
+        by default."""
+        try:
+            yield
+        except EPTimeoutError as exc:
+            self._lost.update(exc.lost_ranks)
+            raise
 
     def shrink(self, lost_ranks: Optional[Iterable[int]] = None) -> Communicator:
         """A communicator over the survivors after ranks were lost, in the same processes; collective
