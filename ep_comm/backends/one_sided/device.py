@@ -34,17 +34,15 @@ def state_numel(world: int) -> int:
     return State.COUNTERS + (status_words(world) + 1) // 2
 
 
-def expert_owner_table(num_experts: int, world: int, active_ranks: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+def expert_owner_table(num_experts: int, world: int, expert_active: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int32 ``[num_experts]``: owner rank << 16 | local index, the device table the kernels look an
-    expert up in (contiguous blocks today; redundant placement needs only another table); -1 for the
-    experts of ranks not in ``active_ranks`` (after a shrink: their pairs are dropped)."""
+    expert up in (contiguous blocks today; redundant placement needs only another table); -1 where
+    ``expert_active`` (bool ``[num_experts]``) is False: after a shrink those pairs are dropped."""
     per_rank = num_experts // world
     ids = torch.arange(num_experts, dtype=torch.int32)
     table = (ids // per_rank) * 65536 + ids % per_rank
-    if active_ranks is not None:
-        active = torch.zeros(world, dtype=torch.bool)
-        active[list(active_ranks)] = True
-        table = torch.where(active[ids // per_rank], table, torch.full_like(table, -1))
+    if expert_active is not None:
+        table = torch.where(expert_active.cpu(), table, torch.full_like(table, -1))
     return table
 
 
@@ -73,7 +71,7 @@ class Kernels:
         self.work = torch.zeros(layout.work_numel(ctx.num_local_experts), dtype=torch.int32, device=dev)
         full = ctx.is_full
         self.expert_owner = expert_owner_table(cfg.num_experts, ctx.world_size,
-                                               None if full else ctx.active_ranks).to(dev)
+                                               None if full else ctx.expert_active).to(dev)
         self._mapped = MappedWords()
         self.words = self._mapped.words
         self.cfg = config_vector(cfg, ctx.rank, ctx.world_size, layout, num_blocks, self._mapped.device_ptr)
