@@ -228,3 +228,13 @@ def test_a_timeout_without_evidence_names_the_peer_missing_only():
     with pytest.raises(ep_comm.EPTimeoutError) as info:
         b.check_errors()
     assert list(info.value.missing_ranks) == [1] and list(info.value.lost_ranks) == []
+
+
+def test_the_owner_table_drops_the_experts_of_ranks_that_left():
+    from ep_comm.backends.one_sided.device import expert_owner_table
+
+    full = expert_owner_table(8, 4)
+    assert full.tolist() == [(e // 2) * 65536 + e % 2 for e in range(8)]
+    active = torch.tensor([True, True, True, True, False, False, True, True])  # rank 2 left
+    shrunk = expert_owner_table(8, 4, active)
+    assert shrunk.tolist() == [v if a else -1 for v, a in zip(full.tolist(), active.tolist())]
