@@ -315,6 +315,7 @@ __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* con
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = 1.0f / 448.0f;
+constexpr int kQuantAhead = 4;  // pieces of 256 channels a lane loads before quantising the first
 
 __device__ __forceinline__ uint8_t fp8_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
@@ -326,32 +327,43 @@ __device__ __forceinline__ uint8_t fp8_e4m3(float v) {
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
                                                      float* const* dst_s, int nd, int lane) {
-  for (int base = 0; base < hidden; base += 8 * kWarpSize) {
-    const int c0 = base + lane * 8;
-    const bool active = c0 < hidden;
-    float f[8];
-    float amax = 0.f;
-    if (active) {
-      Vec8<Tin>::load(x + c0, f);
+  // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
+  // in flight left the loop waiting on memory latency once per piece
+  for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * 8 * kWarpSize) {
+    float f[kQuantAhead][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int c0 = base0 + u * 8 * kWarpSize + lane * 8;
+      if (c0 < hidden) Vec8<Tin>::load(x + c0, f[u]);
     }
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 16));
-    if (!active) continue;
-    const float scale = __fmul_rn(fmaxf(amax, kFp8AmaxFloor), kFp8InvMax);
-    uint32_t lo = 0, hi = 0;
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int base = base0 + u * 8 * kWarpSize;
+      if (base >= hidden) break;  // the same for every lane
+      const int c0 = base + lane * 8;
+      const bool active = c0 < hidden;
+      float amax = 0.f;
+      if (active) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float q0 = fminf(fmaxf(__fdiv_rn(f[i], scale), -kFp8Max), kFp8Max);
-      const float q1 = fminf(fmaxf(__fdiv_rn(f[i + 4], scale), -kFp8Max), kFp8Max);
-      lo |= static_cast<uint32_t>(fp8_e4m3(q0)) << (8 * i);
-      hi |= static_cast<uint32_t>(fp8_e4m3(q1)) << (8 * i);
-    }
-    const uint2 packed = make_uint2(lo, hi);
-    for (int d = 0; d < nd; ++d) {
-      *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed;
-      if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale;
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[u][i]));
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 16));
+      if (!active) continue;
+      const float scale = __fmul_rn(fmaxf(amax, kFp8AmaxFloor), kFp8InvMax);
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float q0 = fminf(fmaxf(__fdiv_rn(f[u][i], scale), -kFp8Max), kFp8Max);
+        const float q1 = fminf(fmaxf(__fdiv_rn(f[u][i + 4], scale), -kFp8Max), kFp8Max);
+        lo |= static_cast<uint32_t>(fp8_e4m3(q0)) << (8 * i);
+        hi |= static_cast<uint32_t>(fp8_e4m3(q1)) << (8 * i);
+      }
+      const uint2 packed = make_uint2(lo, hi);
+      for (int d = 0; d < nd; ++d) {
+        *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed;
+        if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale;
+      }
     }
   }
 }
@@ -398,29 +410,39 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
                                                        uint8_t* const* dst_s, int nd, int lane) {
-  for (int base = 0; base < channels; base += 8 * kWarpSize) {
-    const int c0 = base + lane * 8;
-    const bool active = c0 < channels;
-    float f[8];
-    float amax = 0.f;
-    if (active) {
-      Vec8<Tin>::load(x + c0, f);
+  // as warp_quant_fp8_multi: kQuantAhead pieces loaded before any is quantised
+  for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
+    float f[kQuantAhead][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = nan_max(fabsf(f[i]), amax);
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int c0 = base0 + u * 8 * kWarpSize + lane * 8;
+      if (c0 < channels) Vec8<Tin>::load(x + c0, f[u]);
     }
-    amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
-    if (!active) continue;
-    float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
-    s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
-    const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
-    const float sf = e4m3_value(sf_code);
-    const float os = sf > 0.f ? __fdiv_rn(gs, sf) : 0.f;  // NaN or zero scale: 0
-    uint32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[i], os)) << (4 * i);
-    for (int d = 0; d < nd; ++d) {
-      *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
-      if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int base = base0 + u * 8 * kWarpSize;
+      if (base >= channels) break;  // the same for every lane
+      const int c0 = base + lane * 8;
+      const bool active = c0 < channels;
+      float amax = 0.f;
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = nan_max(fabsf(f[u][i]), amax);
+      }
+      amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
+      if (!active) continue;
+      float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
+      s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
+      const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
+      const float sf = e4m3_value(sf_code);
+      const float os = sf > 0.f ? __fdiv_rn(gs, sf) : 0.f;  // NaN or zero scale: 0
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[u][i], os)) << (4 * i);
+      for (int d = 0; d < nd; ++d) {
+        *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
+        if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+      }
     }
   }
 }
