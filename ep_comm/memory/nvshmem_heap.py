@@ -7,9 +7,12 @@ NVSHMEM maps NVLink peers' heaps into this process, so the mnnvl kernels store s
 The process has one NVSHMEM (torch's cu12/cu13 wheels load ``libnvshmem_host.so.3``, and our
 ``ep_comm._C_nvshmem`` links that same file).  ``acquire_runtime`` starts it on the first communicator
 with a unique id sent over the communicator's control group, or reuses one that torch symmetric memory
-or the engine already started (then it is never finalised here); the last ``release`` finalises what
-we started.  A start failure becomes one ``EPError`` on every rank, carrying NVSHMEM's own messages
-and the variables that decide the transports.
+or the engine already started (then it is never finalised here).  What we started stays running after
+the last ``release``, idle, and the next communicator over the same processes reuses it: NVSHMEM 3.x
+keeps some GPU memory of every start after its finalise (a CUDA stream and handle arrays per
+``nvshmem_init``), so start/stop cycles would grow without bound.  ``stop_runtime`` finalises an idle
+one on request (every PE calls it).  A start failure becomes one ``EPError`` on every rank, carrying
+NVSHMEM's own messages and the variables that decide the transports.
 
 Layering: imports ``ep_comm.errors`` and ``ep_comm.distributed`` only.
 """
@@ -29,8 +32,8 @@ from ..distributed.topology import Topology
 from ..errors import EPError, EPTopologyError
 from ._dlpack import tensor_from_pointer
 
-__all__ = ["NvshmemBuffer", "acquire_runtime", "release_runtime", "unavailable_reason", "runtime_summary",
-           "NVSHMEM_ENV"]
+__all__ = ["NvshmemBuffer", "acquire_runtime", "release_runtime", "stop_runtime", "unavailable_reason",
+           "runtime_summary", "NVSHMEM_ENV"]
 
 #: variables that decide how NVSHMEM starts and reaches peers (quoted in every start error)
 NVSHMEM_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_BOOTSTRAP",
@@ -70,6 +73,7 @@ class _Runtime:
         self.started_here = False
         self.attached = False
         self.pe_of_rank: Optional[tuple[int, ...]] = None
+        self.job = b""  # the unique id NVSHMEM was started with here: equal on every PE of that start
         self.poisoned = ""  # a peer was lost: collective calls (free, finalize) would block forever
 
 
@@ -80,8 +84,10 @@ def runtime_summary() -> str:
     ext, why = extension()
     if ext is None:
         return why
-    state = ("started by ep_comm" if _RT.started_here else "started elsewhere, attached" if _RT.attached
-             else "not started")
+    if _RT.started_here:
+        state = "started by ep_comm" if _RT.users else "started by ep_comm, idle"
+    else:
+        state = "started elsewhere, attached" if _RT.attached else "not started"
     return f"NVSHMEM {ext.VERSION}, {state}, {_RT.users} buffer(s); {_env_summary()}"
 
 
@@ -123,13 +129,19 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
             uid = ext.unique_id()
         except RuntimeError as exc:
             error = f"rank 0: {exc}"
-    votes = control.gather_objects((error, reuse, uid))
-    errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(votes) if e]
+    with _RT.lock:
+        job = _RT.job if reuse and _RT.started_here else b""
+    votes = control.gather_objects((error, reuse, uid, job))
+    errors = [f"rank {r}: {e}" for r, (e, _, _, _) in enumerate(votes) if e]
     if errors:
         raise EPError("nvshmem backend: NVSHMEM cannot start: " + "; ".join(errors))
     if len({v[1] for v in votes}) != 1:
         raise EPError("nvshmem backend: NVSHMEM is already running on some ranks but not on others "
                       f"({[r for r, v in enumerate(votes) if v[1]]}); start it on all or none")
+    if len({v[3] for v in votes}) != 1:
+        raise EPError("nvshmem backend: these ranks run NVSHMEM started for different groups of processes "
+                      f"(ranks {[r for r, v in enumerate(votes) if v[3]]} started it with ep_comm); call "
+                      "ep_comm.memory.nvshmem_heap.stop_runtime() on every process of the earlier group first")
     # without the extension this rank's vote carried why, and the check above raised it
     lib = cast(ModuleType, ext)
     with torch.cuda.device(device_index):
@@ -159,6 +171,7 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
     with _RT.lock:
         if not reuse:
             _RT.started_here = True
+            _RT.job = votes[0][2]
         elif not _RT.started_here:
             _RT.attached = True
         _RT.users += 1
@@ -167,20 +180,32 @@ def acquire_runtime(control: ControlPlane, topology: Topology, device_index: int
 
 
 def release_runtime(collective: bool) -> None:
-    """One buffer fewer.  The last one drops our reference, when ``collective`` (every rank gets here):
-    that finalises an NVSHMEM we started and leaves one started elsewhere running.  After a lost peer
-    the runtime is left as it is, since finalising would wait for it."""
-    ext, _ = extension()
+    """One buffer fewer.  NVSHMEM keeps running when the last one goes (see the module docstring).
+    Without ``collective`` (a peer was lost) NVSHMEM is unusable from then on: its collective calls
+    would wait for the lost peer."""
     with _RT.lock:
         _RT.users = max(0, _RT.users - 1)
         if not collective and not _RT.poisoned:
             _RT.poisoned = "a peer was lost while a buffer was open (its memory was not freed)"
-        finalize = (ext is not None and _RT.users == 0 and (_RT.started_here or _RT.attached)
-                    and not _RT.poisoned)
-        if finalize:
+
+
+def stop_runtime() -> bool:
+    """Finalise the NVSHMEM that ``ep_comm`` started (or joined), once no communicator uses it.
+    Collective: every process of the group that started it calls this (``nvshmem_finalize`` waits for
+    all of them).  Returns whether it finalised; False when none of ours runs (never started, or
+    unusable after a lost peer, where finalising would wait forever).  Raises ``EPError`` while a
+    communicator still holds a buffer.  A later communicator starts NVSHMEM again."""
+    ext, _ = extension()
+    with _RT.lock:
+        if _RT.users:
+            raise EPError(f"nvshmem: {_RT.users} buffer(s) still open; close every nvshmem communicator first")
+        stop = ext is not None and (_RT.started_here or _RT.attached) and not _RT.poisoned
+        if stop:
             _RT.started_here = _RT.attached = False
-    if finalize and ext is not None:  # finalize is only True with the extension loaded
+            _RT.job = b""
+    if stop and ext is not None:
         ext.finalize()
+    return stop
 
 
 class NvshmemBuffer:

@@ -187,7 +187,8 @@ def test_rank_that_skips_a_call_is_named_by_a_timeout():
 
 
 def lifecycle_worker() -> dict:
-    """Two communicators open at once share one NVSHMEM; it stops with the last and starts again."""
+    """Two communicators open at once share one NVSHMEM; it stays running, idle, after the last closes
+    and the next reuses it; stop_runtime() finalises it and a later communicator starts it again."""
     from ep_comm.memory import nvshmem_heap
 
     topo, device = cases.init_rank()
@@ -207,19 +208,30 @@ def lifecycle_worker() -> dict:
     a.close()
     b.close()
     states.append(nvshmem_heap.runtime_summary())
-    with ep_comm.Communicator(cfg, device=device) as c:  # NVSHMEM again after the finalise
-        mine = inputs[rank].to(c.device)
-        d = c.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
-        y = c.combine(oracle.run_experts(cfg, rank, world, d), d)
-        problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
-    return {"problems": problems, "states": states}
+    stops = []
+    for _ in range(2):  # the idle NVSHMEM reused, then NVSHMEM started again after stop_runtime()
+        with ep_comm.Communicator(cfg, device=device) as c:
+            states.append(nvshmem_heap.runtime_summary())
+            mine = inputs[rank].to(c.device)
+            d = c.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
+            y = c.combine(oracle.run_experts(cfg, rank, world, d), d)
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+        stops.append(nvshmem_heap.stop_runtime())
+        states.append(nvshmem_heap.runtime_summary())
+    return {"problems": problems, "states": states, "stops": stops}
 
 
-def test_nvshmem_is_shared_by_open_communicators_and_restarts_after_the_last_close():
+def test_nvshmem_is_shared_by_open_communicators_and_reused_after_the_last_close():
     for res in _spawn(lifecycle_worker, timeout_s=240):
         assert res["problems"] == [], res
-        assert "started by ep_comm, 2 buffer(s)" in res["states"][0], res
-        assert "not started, 0 buffer(s)" in res["states"][1], res
+        opened, closed, reused, stopped, restarted, stopped_again = res["states"]
+        assert "started by ep_comm, 2 buffer(s)" in opened, res
+        assert "started by ep_comm, idle, 0 buffer(s)" in closed, res
+        assert "started by ep_comm, 1 buffer(s)" in reused, res
+        assert "not started, 0 buffer(s)" in stopped, res
+        assert "started by ep_comm, 1 buffer(s)" in restarted, res
+        assert "not started, 0 buffer(s)" in stopped_again, res
+        assert res["stops"] == [True, True], res
 
 
 def torch_started_worker() -> dict:
