@@ -321,48 +321,77 @@ __device__ __forceinline__ uint8_t fp8_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// x / s rounded to nearest, bit for bit __fdiv_rn(x, s), for a finite s > 0 and its correctly rounded
+// reciprocal inv: x * inv is within one ulp of the quotient, and one FMA residual step makes it the
+// correctly rounded one (Markstein's theorem).  A quotient small enough for the residual to underflow
+// may differ in its last bit, far below fp8's smallest value (2^-9), so the fp8 byte is the same.  The
+// sign is x's, as the quotient's is (x = -0 gives -0, which the FMA step alone turns into +0).
+__device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
+  const float q = __fmul_rn(x, inv);
+  const float r = __fmaf_rn(-q, s, x);
+  return copysignf(__fmaf_rn(r, inv, q), x);
+}
+
 // One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
 // consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
 // to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
                                                      float* const* dst_s, int nd, int lane) {
-  // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
-  // in flight left the loop waiting on memory latency once per piece
-  for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * 8 * kWarpSize) {
+  // kQuantAhead pieces of 256 channels at a time, each step over all of them before the next (loads,
+  // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
+  // SM, a chain of dependent steps per piece left the SM waiting on latency
+  constexpr int kStep = 8 * kWarpSize;
+  for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
     float f[kQuantAhead][8];
+    float amax[kQuantAhead];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      const int c0 = base0 + u * 8 * kWarpSize + lane * 8;
+      const int c0 = base0 + u * kStep + lane * 8;
+      amax[u] = 0.f;
       if (c0 < hidden) Vec8<Tin>::load(x + c0, f[u]);
     }
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      const int base = base0 + u * 8 * kWarpSize;
-      if (base >= hidden) break;  // the same for every lane
-      const int c0 = base + lane * 8;
-      const bool active = c0 < hidden;
-      float amax = 0.f;
-      if (active) {
+      if (base0 + u * kStep + lane * 8 < hidden) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[u][i]));
+        for (int i = 0; i < 8; ++i) amax[u] = fmaxf(amax[u], fabsf(f[u][i]));
       }
+    }
 #pragma unroll
-      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 16));
-      if (!active) continue;
-      const float scale = __fmul_rn(fmaxf(amax, kFp8AmaxFloor), kFp8InvMax);
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+      for (int u = 0; u < kQuantAhead; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off, 16));
+    }
+    float scale[kQuantAhead];
+    uint2 packed[kQuantAhead];
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      scale[u] = __fmul_rn(fmaxf(amax[u], kFp8AmaxFloor), kFp8InvMax);
+      float q[8];
+      if (scale[u] <= 3.0e38f) {
+        const float inv = __frcp_rn(scale[u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = div_by_scale(f[u][i], scale[u], inv);
+      } else {  // amax inf or NaN
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale[u]);
+      }
       uint32_t lo = 0, hi = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float q0 = fminf(fmaxf(__fdiv_rn(f[u][i], scale), -kFp8Max), kFp8Max);
-        const float q1 = fminf(fmaxf(__fdiv_rn(f[u][i + 4], scale), -kFp8Max), kFp8Max);
-        lo |= static_cast<uint32_t>(fp8_e4m3(q0)) << (8 * i);
-        hi |= static_cast<uint32_t>(fp8_e4m3(q1)) << (8 * i);
+        lo |= static_cast<uint32_t>(fp8_e4m3(fminf(fmaxf(q[i], -kFp8Max), kFp8Max))) << (8 * i);
+        hi |= static_cast<uint32_t>(fp8_e4m3(fminf(fmaxf(q[i + 4], -kFp8Max), kFp8Max))) << (8 * i);
       }
-      const uint2 packed = make_uint2(lo, hi);
+      packed[u] = make_uint2(lo, hi);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int c0 = base0 + u * kStep + lane * 8;
+      if (c0 >= hidden) continue;
       for (int d = 0; d < nd; ++d) {
-        *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed;
-        if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale;
+        *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
+        if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale[u];
       }
     }
   }
