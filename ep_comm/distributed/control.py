@@ -133,6 +133,9 @@ class ControlPlane:
         self.token = token
         self._base_store = base
         self.store = dist.PrefixStore(f"ep_comm/{self.token}/", base)
+        #: the file of the FileStore this plane meets in (a shrink whose store host was lost), which
+        #: the last member to close removes
+        self.store_file: Optional[str] = None
         self.broken: Optional[str] = None
         self._shm: Optional[SharedAgreement] = None  # set once the ranks are known to share a host
         self._store_ok = True  # False once the store failed us (its host may be the dead rank)
@@ -196,12 +199,13 @@ class ControlPlane:
             raise EPError(f"rank {self.me} cannot shrink to a plane without itself (lost {sorted(gone)})")
         labels = [self.labels[i] for i in keep]
         token = hashlib.sha1(f"{self.token}/{attempt}/{labels}".encode()).hexdigest()[:16]
-        base = self._survivors_store(token, keep)
+        base, store_file = self._survivors_store(token, keep)
         plane = ControlPlane.__new__(ControlPlane)
         # a survivor may still be inside the failed call for up to timeout_s (waiting in an exchange
         # with a peer that has already left it), then SETTLE_S looking for the cause: wait that long
         plane._start(token, base, keep.index(self.rank), len(keep), [self.global_ranks[i] for i in keep], labels,
                      self.timeout_s, join_s=2 * self.timeout_s + SETTLE_S)
+        plane.store_file = store_file
         return plane
 
     def meet(self, name: str, window_s: float) -> None:
@@ -228,10 +232,11 @@ class ControlPlane:
                 f"{exc}: they did not join the survivors' control plane over ranks {self.labels}; every survivor "
                 "must shrink, naming the same lost ranks", missing_ranks=exc.missing_ranks) from exc
 
-    def _survivors_store(self, token: str, keep: list[int]) -> dist.Store:
+    def _survivors_store(self, token: str, keep: list[int]) -> tuple[dist.Store, Optional[str]]:
+        """The store the survivors meet in, and its file when it is a ``FileStore``."""
         try:
             self._base_store.check(["ep_comm/alive"])  # needs the server's answer: a lost host fails it
-            return self._base_store
+            return self._base_store, self.store_file
         except Exception as exc:  # noqa: BLE001 - any failure means the store is gone for us
             why = _summary(exc)
         hosts = {self.host_ids[i] for i in keep} | {local_host_id()}
@@ -241,7 +246,20 @@ class ControlPlane:
                           f"survivors {[self.labels[i] for i in keep]} span {len(hosts)} hosts; launch with torchrun "
                           "(its agent hosts the store) to survive the loss of rank 0 across hosts")
         path = os.path.join(tempfile.gettempdir(), f"ep_comm_store_{token}")
-        return dist.FileStore(path, len(keep))
+        return dist.FileStore(path, len(keep)), path
+
+    def _remove_store_file_when_last(self) -> None:
+        """Count this member out of the file store; the last one out removes its file (a member that
+        died never counts out, and its file stays in the temporary directory)."""
+        try:
+            last = self.store.add("closed_members", 1) >= self.size
+        except Exception:  # noqa: BLE001 - the file is already gone or unreadable: nothing to remove
+            return
+        if last:
+            try:
+                os.remove(cast(str, self.store_file))
+            except OSError:
+                pass
 
     def _drop_groups(self) -> None:
         """Shut the ``gloo_group``s down (their sockets close when the objects go)."""
@@ -554,6 +572,8 @@ class ControlPlane:
                          | {self.global_ranks[self.labels.index(r)] for r in because_of if r in self.labels})
         marker = json.dumps({"reason": reason[:300], "because_of": because})
         self._store_call(self.store.set, f"left/{self.rank}", marker)
+        if self.store_file is not None:
+            self._remove_store_file_when_last()
         if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
             self._shm.close()
         try:

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -49,6 +50,14 @@ def _child(fn: Callable, args: tuple, rank: int, env: Mapping[str, str], results
         results.put(RankResult(rank, True, value))
     except BaseException as exc:  # report everything, including SystemExit, to the parent
         results.put(RankResult(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc()))
+    # The result is all the parent needs, so the child leaves without the interpreter's teardown:
+    # torch's exit-time destruction of process groups and stores races with their threads and now and
+    # then aborts a rank ("terminate called without an active exception") after it reported success.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_local(

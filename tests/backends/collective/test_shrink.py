@@ -101,6 +101,8 @@ def _worker(victims: list[int], calls: int) -> dict:
                 seed += 1
                 report["problems"] += _call(comm, seed)
                 report["calls"] += 1
+    # after the loss of the store's host the survivors meet in file stores: the last to close removes each
+    report["store_files"] = sorted({c.control.store_file for c in comms if c.control.store_file})
     for comm in comms:
         comm.close()
     t0 = time.monotonic()
@@ -136,3 +138,6 @@ def test_kill_shrink_and_go_on(world: int, victims: list[int], agreement: str) -
             assert shrink["all_active"] == [active] * 4, shrink
         assert report["calls"] >= 4 * 50 * len(victims)
         assert report["teardown_s"] < 5.0, report
+        assert len(report["store_files"]) == (4 if 0 in victims else 0), report["store_files"]
+        left = [f for f in report["store_files"] if os.path.exists(f)]
+        assert left == [], f"file stores not removed after every survivor closed: {left}"
