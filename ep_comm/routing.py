@@ -62,6 +62,14 @@ def drop_invalid_ids(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return torch.where(invalid, torch.full_like(topk_ids, -1), topk_ids), invalid.sum()
 
 
+def _repeats(same: torch.Tensor) -> torch.Tensor:
+    """``[T, k]``: True where a slot's id already appears in an earlier slot of its row, from ``same``,
+    ``[T, k, k]`` with ``same[t, i, j]`` when slots i and j of row t hold the same id."""
+    k = same.shape[-1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=same.device).tril(diagonal=-1)
+    return (same & earlier).any(dim=-1)
+
+
 def sanitize_routing(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,11 +83,8 @@ def sanitize_routing(
     ids, num_invalid = drop_invalid_ids(topk_ids.to(torch.int64), num_experts)
     weights = topk_weights.to(torch.float32)
     valid = ids >= 0
-    k = ids.shape[1]
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & valid.unsqueeze(2)  # [T, k, k]
-    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
-    is_dup = (same & earlier).any(dim=2)
-    keep = valid & ~is_dup
+    keep = valid & ~_repeats(same)
     merged = (same.to(torch.float32) * weights.unsqueeze(1)).sum(dim=2)
     out_ids = torch.where(keep, ids, torch.full_like(ids, -1))
     out_w = torch.where(keep, merged, torch.zeros_like(merged))
@@ -98,11 +103,8 @@ def count_inactive_pairs(topk_ids: torch.Tensor, expert_active: torch.Tensor) ->
     ids = topk_ids.to(torch.int64)
     valid = (ids >= 0) & (ids < num_experts)
     inactive = valid & ~expert_active[ids.clamp(0, max(num_experts - 1, 0))]
-    k = ids.shape[-1]
-    if k > 1:  # a later slot repeating an earlier slot's id is the same pair
-        earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(diagonal=-1)
-        repeat = ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & earlier).any(dim=-1)
-        inactive = inactive & ~repeat
+    # a later slot repeating an earlier slot's id is the same pair
+    inactive &= ~_repeats(ids.unsqueeze(-1) == ids.unsqueeze(-2))
     return inactive.sum(dtype=torch.int64)
 
 
