@@ -439,7 +439,8 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
                                                        uint8_t* const* dst_s, int nd, int lane) {
-  // as warp_quant_fp8_multi: kQuantAhead pieces loaded before any is quantised
+  // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
+  // in flight left the loop waiting on memory latency once per piece
   for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
     float f[kQuantAhead][8];
 #pragma unroll

@@ -122,7 +122,6 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
                            cudaStream_t stream);
 // Tell every peer this rank gives up the current call (its input was invalid), without data.
 cudaError_t launch_abort(const Common& c, int calls, cudaStream_t stream);
-// Set *flag (host-mapped) to 1 if any id is outside [-1, num_experts).
 // The input verdict in front of an eager checked dispatch (dispatch.cu, verdict_kernel).
 cudaError_t launch_verdict(const Common& c, const void* ids, bool ids_int64, int64_t n, int own_bad, bool advance,
                            cudaStream_t stream);
