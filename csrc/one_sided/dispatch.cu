@@ -176,8 +176,8 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
   } else {
     const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
     // zero copy with x already in this rank's own rows (Communicator.dispatch_input_buffer): the own
-    // share's destination is the source itself, nothing to move
-    if (nd > 1 || dst[0] != src) warp_copy_multi<false>(src, dst, nd, hi - lo, lane);
+    // share's destination (the last one) is the source itself, nothing to move there
+    warp_copy_multi<false>(src, dst, dst[nd - 1] == src ? nd - 1 : nd, hi - lo, lane);
     if (lo == 0 && p.scale_bytes > 0) {
       const uint8_t* ssrc = static_cast<const uint8_t*>(p.x_scales) + static_cast<int64_t>(t) * p.scale_bytes;
       warp_copy_multi<false>(ssrc, dst_s, nd, p.scale_bytes, lane);
@@ -245,12 +245,16 @@ __device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const 
   }
 }
 
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ bool wait_u32(const uint32_t* p, uint32_t want, uint64_t deadline, const ErrorSink& err) {
   uint32_t spins = 0;
   while (true) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    if (v == want) return true;
+    if (ld_acquire_gpu_u32(p) == want) return true;
     if ((++spins & 255u) == 0 && global_timer_ns() > deadline) {
       err.count(kStatusLocalStall, 1);
       return false;
@@ -379,14 +383,32 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         }
       }
     }
+    // own share: this rank's source comes first in its own batched layout, so slot = index.  Its
+    // destinations go after the remote ones in dst, so that the piece is read (and quantised) once for
+    // all of them; except a copied standard row's single own copy, which goes after the remote sends
+    // (the link is the critical path; local stores mixed into the loop slowed it by 2 %), and a later
+    // batched piece whose own slots (from the warp sending piece 0) are not there yet, which would
+    // leave this warp idle waiting for them.
+    const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+    int n_own = 0;
+    bool own_after = kQuant < 0 && !L.batched;
+    if (has_own && !own_after) {
+      if (L.batched && chunk > 0) {
+        uint32_t ready = 0;
+        if (lane == 0) ready = ld_acquire_gpu_u32(p.self_ready + t) == code;
+        own_after = !__shfl_sync(kFull, ready, 0);
+        if (!own_after) slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
+      }
+      if (!own_after)
+        n_own = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst + n_remote, dst_s + n_remote, lane);
+    } else if (!has_own && chunk == 0) {
+      place_row(p, row, -1, 0.f, -1, true, dst + n_remote, dst_s + n_remote, lane);  // padding
+    }
     const int64_t lo = chunk * p.chunk_bytes;
     const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote, lane);
+    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane);
     if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
-
-    // own share: this rank's source comes first in its own batched layout, so slot = index
-    const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
-    if (has_own) {
+    if (has_own && own_after) {
       if (L.batched && chunk > 0) {
         if (lane == 0) wait_u32(p.self_ready + t, code, deadline, err);
         __syncwarp();
@@ -394,8 +416,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       }
       const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
       send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane);
-    } else if (chunk == 0) {
-      place_row(p, row, -1, 0.f, -1, true, dst, dst_s, lane);  // padding
     }
   }
 
