@@ -59,9 +59,16 @@ def test_auto_on_cpu_ranks_takes_a_collective_backend():
 @pytest.mark.gpu
 def test_available_on_a_gpu_node():
     from ep_comm.backends.base import BackendContext
+    from ep_comm.distributed.topology import Topology
 
-    cfg = _cfg(backend="mnnvl")
-    ctx = BackendContext(cfg, None, None, None, 0, 2, torch.device("cuda", 0))  # type: ignore[arg-type]
-    plain = MnnvlBackend.availability(BackendContext(_cfg(backend="mnnvl", quant=None), None, None, None, 0, 2,
-                                                     torch.device("cuda", 0)))  # type: ignore[arg-type]
-    assert MnnvlBackend.availability(ctx) == plain
+    # two ranks on this host, as a communicator on a GPU node sees them
+    topo = Topology(rank=0, world_size=2, local_rank=0, local_world_size=2, host_id="h", node_rank=0,
+                    ranks_by_host={"h": (0, 1)}, device_index=0)
+
+    def ctx(quant):
+        return BackendContext(_cfg(backend="mnnvl", quant=quant), None, None, topo, 0, 2,  # type: ignore[arg-type]
+                              torch.device("cuda", 0))
+
+    plain = MnnvlBackend.availability(ctx(None))
+    assert plain.ok, plain
+    assert MnnvlBackend.availability(ctx("nvfp4")) == plain
