@@ -30,17 +30,23 @@ def device_name(env: RankEnv) -> str:
 
 
 def git_commit() -> tuple[str, Optional[bool]]:
-    """Commit of the checkout ep_comm runs from (and whether tracked files differ from it)."""
+    """Commit of the checkout ep_comm runs from (and whether tracked files differ from it).
+    ``EP_COMM_GIT_COMMIT``, when set, is taken as given (dirty unknown): a copy of a tree whose git
+    metadata is not that of its files (a machine that receives the working tree) would report a stale
+    commit."""
+    given = os.environ.get("EP_COMM_GIT_COMMIT")
+    if given:
+        return given, None
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode:
-            return os.environ.get("EP_COMM_GIT_COMMIT", "unknown"), None
+            return "unknown", None
         dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
         return head.stdout.strip(), bool(dirty.stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("EP_COMM_GIT_COMMIT", "unknown"), None
+        return "unknown", None
 
 
 def _num(fmt: str) -> Callable[[Any], str]:

@@ -406,3 +406,13 @@ def test_bench_gpu_table_keeps_gpu_columns(cli, tmp_path):
     assert len(rows) == 2 and all(len(r) == len(header.split()) for r in rows)
     assert all(float(r[7]) > 0 and r[8] == "-" for r in rows)  # GB/s; ag_rs occupies no SMs of its own
     assert json.loads(path.read_text())["baseline_backend"] == "nccl"
+
+
+def test_git_commit_given_in_the_environment_wins(monkeypatch):
+    from ep_comm.cli import bench_report
+
+    monkeypatch.setenv("EP_COMM_GIT_COMMIT", "0123abc")
+    assert bench_report.git_commit() == ("0123abc", None)
+    monkeypatch.delenv("EP_COMM_GIT_COMMIT")
+    commit, _ = bench_report.git_commit()
+    assert commit != "0123abc" and commit
