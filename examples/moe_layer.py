@@ -21,8 +21,7 @@ import sys
 import torch
 
 import ep_comm
-from ep_comm.distributed.launch_env import read_launch_env
-from ep_comm.distributed.spawn import spawn_local
+from ep_comm.distributed.spawn import run_or_spawn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -131,14 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if read_launch_env().world_size > 1:
-        run(args)  # started by torchrun/mpirun/srun: this process is one rank
+    results = run_or_spawn(run, (args,), args.nproc)
+    if results is None:  # started by torchrun/mpirun/srun: this process was one rank
         return 0
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
-    results = spawn_local(run, nproc, (args,), timeout_s=300)
-    for r in results:
-        if not r.ok:
-            print(f"rank {r.rank} failed: {r.error_type}: {r.error}\n{r.traceback or ''}", file=sys.stderr)
     ok = all(r.ok for r in results)
     print("moe_layer example: " + ("OK, every rank matches the dense reference" if ok else "FAILED"))
     return 0 if ok else 1

@@ -190,3 +190,25 @@ def raise_on_failure(results: Sequence[RankResult]) -> list[Any]:
             f"\n{r.traceback or ''}" for r in failed)
         raise RuntimeError(f"{len(failed)} of {len(results)} ranks failed:\n{text}")
     return [r.value for r in results]
+
+
+def run_or_spawn(fn: Callable, args: tuple = (), nproc: Optional[int] = None, timeout_s: float = 300.0,
+                 launched: Optional[Callable] = None) -> Optional[list[RankResult]]:
+    """The ``main()`` of a script that runs under a launcher or on its own: started by torchrun, mpirun
+    or srun (a world of more than one rank in the environment), this process is one rank and runs
+    ``(launched or fn)(*args)``; returns None.  Otherwise it spawns ``nproc`` local ranks (default: the
+    CUDA GPUs, or 2 without any) running ``fn(*args)``, prints each failed rank's error to stderr and
+    returns every rank's result."""
+    import torch  # here: the rest of this module runs without importing torch
+
+    from .launch_env import read_launch_env
+
+    if read_launch_env().world_size > 1:
+        (launched or fn)(*args)
+        return None
+    n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
+    results = spawn_local(fn, n, args, timeout_s=timeout_s)
+    for r in results:
+        if not r.ok:
+            print(f"rank {r.rank} failed: {r.error_type}: {r.error}\n{r.traceback or ''}", file=sys.stderr)
+    return results
