@@ -17,7 +17,7 @@ from ep_comm.backends.one_sided import layout as lay_mod
 from ep_comm.backends.protocol import Cfg
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
-from .. import cases
+from .. import cases, zero_copy_cases
 
 pytestmark = [pytest.mark.gpu]
 
@@ -80,73 +80,73 @@ def test_recv_hooks_under_cuda_graphs(case):
 
 
 # -- zero copy (standard layout): rows are views of the receive buffer ----------------------------------------
-ZERO_COPY = cases.zero_copy_case_names("mnnvl")
+ZERO_COPY = zero_copy_cases.zero_copy_case_names("mnnvl")
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_matches_oracle(case):
-    _assert_clean(case, "zero_copy", cases.zero_copy_matrix, ("mnnvl",))
+    _assert_clean(case, "zero_copy", zero_copy_cases.zero_copy_matrix, ("mnnvl",))
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_recv_hooks_match_oracle(case):
-    _assert_clean(case, "zero_copy_hooks", cases.zero_copy_matrix, ("mnnvl",), True)
+    _assert_clean(case, "zero_copy_hooks", zero_copy_cases.zero_copy_matrix, ("mnnvl",), True)
 
 
 @pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
 def test_zero_copy_under_cuda_graphs(case):
-    _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("mnnvl",))
+    _assert_clean(case, "zero_copy_graph", zero_copy_cases.zero_copy_graphs, ("mnnvl",))
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_with_pushed_partials_matches_oracle(case):
     """Zero copy combines pull by default; ``$EP_COMM_COMBINE_PULL=0`` keeps the pushing protocol."""
-    _assert_clean(case, "zero_copy_push", cases.zero_copy_matrix_pushing, ("mnnvl",))
+    _assert_clean(case, "zero_copy_push", zero_copy_cases.zero_copy_matrix_pushing, ("mnnvl",))
 
 
 @pytest.mark.parametrize("case", ["mnnvl/standard/bf16", "mnnvl/standard/fp8"])
 def test_zero_copy_recv_hooks_under_cuda_graphs(case):
-    _assert_clean(case, "zero_copy_hooks_graph", cases.zero_copy_graphs, ("mnnvl",), True)
+    _assert_clean(case, "zero_copy_hooks_graph", zero_copy_cases.zero_copy_graphs, ("mnnvl",), True)
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("mnnvl"))
 def test_zero_copy_rows_in_several_pieces_match_oracle(case):
-    _assert_clean(case, "zero_copy_wide", cases.wide_rows_matrix, ("mnnvl",))
+    _assert_clean(case, "zero_copy_wide", zero_copy_cases.wide_rows_matrix, ("mnnvl",))
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("mnnvl"))
 def test_zero_copy_rows_in_several_pieces_with_recv_hooks(case):
-    _assert_clean(case, "zero_copy_wide_hooks", cases.wide_rows_matrix, ("mnnvl",), True)
+    _assert_clean(case, "zero_copy_wide_hooks", zero_copy_cases.wide_rows_matrix, ("mnnvl",), True)
 
 
 # x written into dispatch_input_buffer: the own rows are sent from where they lie and never copied
-@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("mnnvl"))
+@pytest.mark.parametrize("case", zero_copy_cases.zero_copy_shapes_case_names("mnnvl"))
 def test_zero_copy_top_k_and_long_rows_match_oracle(case):
     """top_k 1, 3, 6, 8 and 600 rows per rank on one SM, pulled and pushed."""
-    _assert_clean(case, "zero_copy_shapes", cases.zero_copy_shapes, ("mnnvl",))
+    _assert_clean(case, "zero_copy_shapes", zero_copy_cases.zero_copy_shapes, ("mnnvl",))
 
 
-IN_PLACE = cases.zero_copy_case_names("mnnvl", in_place=True)
+IN_PLACE = zero_copy_cases.zero_copy_case_names("mnnvl", in_place=True)
 
 
 @pytest.mark.parametrize("case", IN_PLACE)
 def test_zero_copy_input_in_place_matches_oracle(case):
-    _assert_clean(case, "in_place", cases.zero_copy_matrix, ("mnnvl",), False, True, True)
+    _assert_clean(case, "in_place", zero_copy_cases.zero_copy_matrix, ("mnnvl",), False, True, True)
 
 
 @pytest.mark.parametrize("case", IN_PLACE)
 def test_zero_copy_input_in_place_with_recv_hooks(case):
-    _assert_clean(case, "in_place_hooks", cases.zero_copy_matrix, ("mnnvl",), True, True, True)
+    _assert_clean(case, "in_place_hooks", zero_copy_cases.zero_copy_matrix, ("mnnvl",), True, True, True)
 
 
 @pytest.mark.parametrize("case", ["mnnvl/standard/bf16"])  # (fp8: the input buffer is a tensor of its own)
 def test_zero_copy_input_in_place_under_cuda_graphs(case):
-    _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("mnnvl",), False, True)
+    _assert_clean(case, "in_place_graph", zero_copy_cases.zero_copy_graphs, ("mnnvl",), False, True)
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("mnnvl"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("mnnvl"))
 def test_zero_copy_input_in_place_in_several_pieces(case):
-    _assert_clean(case, "in_place_wide", cases.wide_rows_matrix, ("mnnvl",), False, True, True)
+    _assert_clean(case, "in_place_wide", zero_copy_cases.wide_rows_matrix, ("mnnvl",), False, True, True)
 
 
 def hook_misuse_worker() -> list[str]:
@@ -350,7 +350,7 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispat
     zero copy, pulling combine) the combine of the first dispatch, whose rows its peers wait to read."""
     pulling = skipped == "combine"
     if pulling:
-        cases.force_pull(True)
+        zero_copy_cases.force_pull(True)
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s, zero_copy=pulling)
@@ -417,7 +417,7 @@ def recreate_after_timeout_worker(backend: str, cycles: int) -> dict:
 
 def pull_disagreement_worker() -> str:
     topo, device = cases.init_rank()
-    cases.force_pull(topo.rank != 0)
+    zero_copy_cases.force_pull(topo.rank != 0)
     cfg = cases.make_cfg(topo.world_size, "mnnvl", "standard", None, zero_copy=True)
     try:
         ep_comm.Communicator(cfg, device=device).close()
@@ -428,7 +428,7 @@ def pull_disagreement_worker() -> str:
 
 @pytest.mark.parametrize("case", ["mnnvl/pull_reuse", "mnnvl/pull_fp32_expert_out"])
 def test_pulling_combine_rows_rewritten_while_a_peer_reads_slowly(case):
-    _assert_clean(case, "pull_reuse", cases.pull_reuse, ("mnnvl",))
+    _assert_clean(case, "pull_reuse", zero_copy_cases.pull_reuse, ("mnnvl",))
 
 
 def test_ranks_disagreeing_on_pulling_combines_are_refused():

@@ -16,7 +16,7 @@ import ep_comm
 from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
-from .. import cases
+from .. import cases, zero_copy_cases
 from .test_mnnvl import (
     RECREATE_CYCLES,
     bad_input_recovery_worker,
@@ -101,76 +101,76 @@ def test_put_mode_cuda_graphs(case):
     _assert_clean(case, "put_graph", cases.graph_capture, ("nvshmem",), env=PUT)
 
 
-ZERO_COPY = cases.zero_copy_case_names("nvshmem")
+ZERO_COPY = zero_copy_cases.zero_copy_case_names("nvshmem")
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_matches_oracle(case):
-    _assert_clean(case, "zero_copy", cases.zero_copy_matrix, ("nvshmem",))
+    _assert_clean(case, "zero_copy", zero_copy_cases.zero_copy_matrix, ("nvshmem",))
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_put_mode_matches_oracle(case):
-    _assert_clean(case, "zero_copy_put", cases.zero_copy_matrix, ("nvshmem",), env=PUT)
+    _assert_clean(case, "zero_copy_put", zero_copy_cases.zero_copy_matrix, ("nvshmem",), env=PUT)
 
 
 @pytest.mark.parametrize("case", ZERO_COPY)
 def test_zero_copy_recv_hooks_match_oracle(case):
-    _assert_clean(case, "zero_copy_hooks", cases.zero_copy_matrix, ("nvshmem",), True)
+    _assert_clean(case, "zero_copy_hooks", zero_copy_cases.zero_copy_matrix, ("nvshmem",), True)
 
 
 @pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
 def test_zero_copy_under_cuda_graphs(case):
-    _assert_clean(case, "zero_copy_graph", cases.zero_copy_graphs, ("nvshmem",))
+    _assert_clean(case, "zero_copy_graph", zero_copy_cases.zero_copy_graphs, ("nvshmem",))
 
 
 @pytest.mark.parametrize("case", ["nvshmem/standard/bf16", "nvshmem/standard/fp8"])
 def test_zero_copy_recv_hooks_under_cuda_graphs_in_put_mode(case):
-    _assert_clean(case, "zero_copy_hooks_graph_put", cases.zero_copy_graphs, ("nvshmem",), True, env=PUT)
+    _assert_clean(case, "zero_copy_hooks_graph_put", zero_copy_cases.zero_copy_graphs, ("nvshmem",), True, env=PUT)
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_rows_in_several_pieces_match_oracle(case):
-    _assert_clean(case, "zero_copy_wide", cases.wide_rows_matrix, ("nvshmem",))
+    _assert_clean(case, "zero_copy_wide", zero_copy_cases.wide_rows_matrix, ("nvshmem",))
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_rows_in_several_pieces_in_put_mode(case):
-    _assert_clean(case, "zero_copy_wide_put", cases.wide_rows_matrix, ("nvshmem",), env=PUT)
+    _assert_clean(case, "zero_copy_wide_put", zero_copy_cases.wide_rows_matrix, ("nvshmem",), env=PUT)
 
 
-@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("nvshmem"))
+@pytest.mark.parametrize("case", zero_copy_cases.zero_copy_shapes_case_names("nvshmem"))
 def test_zero_copy_top_k_and_long_rows_match_oracle(case):
     """top_k 1, 3, 6, 8 and 600 rows per rank on one SM, pulled and pushed."""
-    _assert_clean(case, "zero_copy_shapes", cases.zero_copy_shapes, ("nvshmem",))
+    _assert_clean(case, "zero_copy_shapes", zero_copy_cases.zero_copy_shapes, ("nvshmem",))
 
 
-@pytest.mark.parametrize("case", cases.zero_copy_shapes_case_names("nvshmem"))
+@pytest.mark.parametrize("case", zero_copy_cases.zero_copy_shapes_case_names("nvshmem"))
 def test_zero_copy_top_k_and_long_rows_in_put_mode(case):
-    _assert_clean(case, "zero_copy_shapes_put", cases.zero_copy_shapes, ("nvshmem",), env=PUT)
+    _assert_clean(case, "zero_copy_shapes_put", zero_copy_cases.zero_copy_shapes, ("nvshmem",), env=PUT)
 
 
-IN_PLACE = cases.zero_copy_case_names("nvshmem", in_place=True)
+IN_PLACE = zero_copy_cases.zero_copy_case_names("nvshmem", in_place=True)
 
 
 @pytest.mark.parametrize("case", IN_PLACE)
 def test_zero_copy_input_in_place_matches_oracle(case):
-    _assert_clean(case, "in_place", cases.zero_copy_matrix, ("nvshmem",), False, True, True)
+    _assert_clean(case, "in_place", zero_copy_cases.zero_copy_matrix, ("nvshmem",), False, True, True)
 
 
 @pytest.mark.parametrize("case", IN_PLACE)
 def test_zero_copy_input_in_place_in_put_mode(case):
-    _assert_clean(case, "in_place_put", cases.zero_copy_matrix, ("nvshmem",), False, True, True, env=PUT)
+    _assert_clean(case, "in_place_put", zero_copy_cases.zero_copy_matrix, ("nvshmem",), False, True, True, env=PUT)
 
 
 @pytest.mark.parametrize("case", ["nvshmem/standard/bf16"])  # (fp8: the input buffer is a tensor of its own)
 def test_zero_copy_input_in_place_under_cuda_graphs(case):
-    _assert_clean(case, "in_place_graph", cases.zero_copy_graphs, ("nvshmem",), False, True)
+    _assert_clean(case, "in_place_graph", zero_copy_cases.zero_copy_graphs, ("nvshmem",), False, True)
 
 
-@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_input_in_place_in_several_pieces(case):
-    _assert_clean(case, "in_place_wide", cases.wide_rows_matrix, ("nvshmem",), False, True, True)
+    _assert_clean(case, "in_place_wide", zero_copy_cases.wide_rows_matrix, ("nvshmem",), False, True, True)
 
 
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
