@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
-from .launch_env import free_port
+from .launch_env import free_port, read_launch_env
 
 if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
     from multiprocessing.context import ForkServerContext, SpawnContext
@@ -200,8 +200,6 @@ def run_or_spawn(fn: Callable, args: tuple = (), nproc: Optional[int] = None, ti
     CUDA GPUs, or 2 without any) running ``fn(*args)``, prints each failed rank's error to stderr and
     returns every rank's result."""
     import torch  # here: the rest of this module runs without importing torch
-
-    from .launch_env import read_launch_env
 
     if read_launch_env().world_size > 1:
         (launched or fn)(*args)
