@@ -77,6 +77,9 @@ class KillSwitch:
 
     def __init__(self, path: str):
         self.path = path
+        # the armed timer and the main thread (once its iteration is done) may fire at the same moment:
+        # both writing the one temporary file left a record the survivors could not parse
+        self._firing = threading.Lock()
 
     def arm(self, delay_s: float) -> None:
         timer = threading.Timer(delay_s, self.fire)
@@ -84,6 +87,7 @@ class KillSwitch:
         timer.start()
 
     def fire(self) -> None:
+        self._firing.acquire()  # never released: the first caller kills the process
         record = json.dumps({"time": time.time(), "where": WHERE[0]})
         try:
             with open(self.path + ".tmp", "w") as f:

@@ -5,7 +5,9 @@ exits 0 and the planned death is no failure.  Gloo ranks, naive and ag_rs, both 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import threading
 
 import pytest
 
@@ -158,3 +160,20 @@ def test_kill_leaves_one_survivor_gloo_agreement(cli):
                 "--faults", "--kill", "--iters", str(iters), "--seed", str(seed)], timeout=120,
                **CPU_RANKS, EP_COMM_SHM_AGREE="0")
     _check_run(proc, seed, iters, world, kill, faults.DEFAULT_RATE, layouts=("standard",))
+
+
+def test_the_kill_switch_fires_once_with_a_whole_record(tmp_path, monkeypatch):
+    """The armed timer and the main thread may fire together: one of them writes the record and kills,
+    the other never gets to touch the file (it used to interleave its write with the first one's)."""
+    kills = []
+    monkeypatch.setattr(stress_kill.os, "kill", lambda pid, sig: kills.append(sig))
+    switch = stress_kill.KillSwitch(str(tmp_path / "record.json"))
+    first = threading.Thread(target=switch.fire)
+    first.start()
+    first.join(5)
+    second = threading.Thread(target=switch.fire, daemon=True)  # blocks for good: the process would be gone
+    second.start()
+    second.join(0.3)
+    assert not first.is_alive() and second.is_alive() and len(kills) == 1
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert set(record) == {"time", "where"}
