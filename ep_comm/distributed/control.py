@@ -23,20 +23,21 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import json
 import os
 import pickle
 import secrets
 import tempfile
 import time
 import weakref
-from typing import Iterable, Optional, Sequence, cast
+from typing import Any, Iterable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from ..errors import EPError, EPInputError, EPTimeoutError
+from .evidence import MARKER_COUNT, Marker, Verdict, classify, decode_marker, encode_marker, loss_check
 from .exchange import allgather_bytes_via
+from .groups import OwnGroups, nccl_class
 from .liveness import ProcessIdentity, process_gone
 from .shm_agree import SHM_AGREE_ENV, SharedAgreement
 from .topology import Topology, local_host_id
@@ -143,7 +144,7 @@ class ControlPlane:
                                 [torch.zeros(4, dtype=torch.int64) for _ in range(self.size)])
         self.identities: list[ProcessIdentity] = []
         self.host_ids: list[str] = []
-        self._groups: dict[str, dist.ProcessGroupGloo] = {}
+        self._own = OwnGroups(self.store, rank, size, self.timeout_s, global_ranks, token)
         self._pg: Optional[dist.ProcessGroupGloo] = None
         if join_s > 0:
             self._join(join_s)
@@ -261,15 +262,6 @@ class ControlPlane:
             except OSError:
                 pass
 
-    def _drop_groups(self) -> None:
-        """Shut the ``gloo_group``s down (their sockets close when the objects go)."""
-        groups, self._groups = list(self._groups.values()), {}
-        for group in groups:
-            try:
-                group.shutdown()
-            except Exception:  # noqa: BLE001 - older torch: no shutdown(); the destructor closes it
-                pass
-
     def gloo_group(self, name: str) -> dist.ProcessGroup:
         """A gloo process group over this plane's members, ranked as in this plane, made on the first
         call with a given ``name`` (collective then) and shut down with the plane.  It is not in
@@ -278,16 +270,46 @@ class ControlPlane:
         Its timeout is the plane's ``timeout_s``."""
         if self.broken:
             raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
-        pg = self._groups.get(name)
-        if pg is None:
-            try:
-                pg = dist.ProcessGroupGloo(dist.PrefixStore(f"group/{name}/", self.store), self.rank, self.size,
-                                           datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise self.failure(OP_CREATE, -1, exc) from exc
-            self._groups[name] = pg
+        try:
+            pg = self._own.gloo(name)
+        except RuntimeError as exc:
+            raise self.failure(OP_CREATE, -1, exc) from exc
         # a Backend object, not a registered ProcessGroup: the collectives take it all the same
         return cast(dist.ProcessGroup, pg)
+
+    def nccl_group(self, name: str, device: torch.device) -> Any:
+        """A ``ProcessGroupNCCL`` over this plane's members on CUDA ``device``, ranked as in this plane,
+        made and connected on the first call with a given ``name`` (collective then, once every member
+        has arrived: else ``EPTimeoutError`` naming the absent).  Not in torch's group table: call its
+        own methods.  ep_comm alone ends it: aborted as soon as this plane finds a peer lost
+        (``failure``, or a watcher thread while no call runs), else at ``release_nccl_group`` or
+        ``close``: shut down once this device's queued work is done, aborted if that takes longer than
+        ``timeout_s``.  Its own timeout is ``groups.nccl_timeout_s(timeout_s)``.  ``EPError`` on a torch
+        built without NCCL."""
+        if self.broken:
+            raise EPError(f"communicator is unusable after an earlier failure ({self.broken}); create a new one")
+        if nccl_class() is None:
+            raise EPError(f"rank {self.me}: torch {torch.__version__} has no ProcessGroupNCCL (a build without "
+                          f"NCCL): no NCCL group for {device}")
+        self.meet(f"nccl_group/{name}", self.timeout_s)
+        try:
+            return self._own.nccl(name, torch.device(device), lambda: loss_check(self._diagnose, self.store,
+                                                                                 self.labels))
+        except RuntimeError as exc:
+            raise self.failure(OP_CREATE, -1, exc) from exc
+
+    @property
+    def nccl_aborted(self) -> Optional[str]:
+        """Why this plane's NCCL groups were aborted (a peer was lost), or None while they were not."""
+        return self._own.aborted
+
+    def abort_nccl_groups(self, why: str) -> None:
+        """Abort this plane's NCCL groups now (idempotent): a kernel of theirs waiting for a lost peer ends."""
+        self._own.abort_nccl(why)
+
+    def release_nccl_group(self, name: str) -> None:
+        """Give the NCCL group ``name`` back before the plane closes (``nccl_group`` says how)."""
+        self._own.release_nccl(name)
 
     @property
     def agreement(self) -> str:
@@ -412,7 +434,14 @@ class ControlPlane:
         # advisory: a failure here must not break the call itself
         self._store_call(self.store.set, f"arrive/{self.rank}", f"{op}:{epoch}")
 
-    def _read(self, key: str) -> Optional[str]:
+    def _read(self, key: str, store: Optional[dist.Store] = None) -> Optional[str]:
+        """``key``'s value, None when it is not there; ``store``: another connection to this plane's store
+        (the watcher's), whose failures leave the plane's own store in use."""
+        if store is not None:
+            try:
+                return store.get(key).decode(errors="replace") if store.check([key]) else None
+            except Exception:  # noqa: BLE001 - no answer is no marker
+                return None
         if not self._store_call(self.store.check, [key]):
             return None
         raw = self._store_call(self.store.get, key)
@@ -427,46 +456,16 @@ class ControlPlane:
         op, epoch = raw.split(":")
         return int(op), int(epoch)
 
-    def _left_markers(self) -> dict[int, tuple[str, list[int]]]:
-        """``{rank: (reason, ranks it blamed)}`` for the peers that closed their end of this plane."""
-        out = {}
-        for r in range(self.size):
-            raw = self._read(f"left/{r}") if r != self.rank else None
-            if raw is None:
-                continue
-            try:
-                marker = json.loads(raw)
-                blamed = [self.global_ranks.index(g) for g in marker.get("because_of", []) if g in self.global_ranks]
-                out[r] = (str(marker.get("reason", "")), blamed)
-            except (ValueError, AttributeError):
-                out[r] = (raw, [])
-        return out
-
-    def _diagnose(self, use_store: bool) -> tuple[dict[int, str], dict[int, list[int]]]:
-        """``(gone, followers)``: ``{rank: why}`` for peers that are gone on their own account (process
-        exited, or closed this plane for a reason of their own, or named as gone by a peer that left),
-        and ``{rank: [ranks it lost]}`` for peers that closed this plane because they lost others."""
-        gone: dict[int, str] = {}
-        for r, ident in enumerate(self.identities):
-            if r != self.rank:
-                why = process_gone(ident)
-                if why:
-                    gone[r] = why
-        followers: dict[int, list[int]] = {}
-        if use_store:
-            markers = self._left_markers()
-            for r, (reason, blamed) in markers.items():
-                if r in gone:
-                    continue
-                if blamed:
-                    followers[r] = blamed
-                else:
-                    gone[r] = f"it closed its end of the communicator: {reason}"
-            for r, blamed in followers.items():
-                for b in blamed:  # a peer on another machine may have seen what we cannot
-                    if b != self.rank and b not in gone:
-                        gone[b] = f"rank {self.labels[r]} lost it"
-        return gone, followers
+    def _diagnose(self, use_store: bool, store: Optional[dist.Store] = None) -> Verdict:
+        """``evidence.classify`` of what ``/proc`` and, with ``use_store``, the close markers say now.
+        ``store``: as in ``_read``."""
+        exited = {r: why for r, ident in enumerate(self.identities) if r != self.rank and (why := process_gone(ident))}
+        markers: dict[int, Marker] = {}
+        for r in range(self.size) if use_store else ():
+            raw = self._read(f"left/{r}", store) if r != self.rank else None
+            if raw is not None:
+                markers[r] = decode_marker(raw, self.global_ranks)
+        return classify(exited, markers, self.rank, self.labels)
 
     def lost_peers(self, use_store: bool = True) -> dict[int, str]:
         """``{rank: why}`` for peers known to be gone: their process exited (same machine only), they
@@ -484,10 +483,10 @@ class ControlPlane:
         global _peer_loss_seen
         self.broken = self.broken or f"peer exchange failed in {OP_NAMES.get(op, op)} epoch {epoch}"
         deadline = time.monotonic() + (min(SETTLE_S, self.timeout_s) if lost_connection(exc) else 0.05)
-        gone, followers = self._diagnose(True)
+        gone, followers, dead = self._diagnose(True)
         while not gone and time.monotonic() < deadline:
             time.sleep(0.05)
-            gone, followers = self._diagnose(True)
+            gone, followers, dead = self._diagnose(True)
         lab = self.labels
         parts = [f"rank {lab[r]} is gone ({why})" for r, why in sorted(gone.items())]
         if followers:
@@ -522,6 +521,8 @@ class ControlPlane:
             detail = "; ".join(parts) if parts else "all peers had arrived; the exchange itself failed"
             msg = f"{call} did not complete within timeout_s={self.timeout_s:g}: missing {detail}"
         if gone:  # (a peer merely late is left to find out for itself: no early word to name it)
+            if dead:  # NCCL kernels of this rank may wait for them forever: free the streams before more is queued
+                self._own.abort_nccl(msg)
             self._leave_early(msg)
         return EPTimeoutError(f"{msg} [{_summary(exc)}]", missing_ranks=[lab[r] for r in missing],
                               lost_ranks=[lab[r] for r in gone])
@@ -541,8 +542,14 @@ class ControlPlane:
             self._shm.mark_closed()
         because = sorted(g for g in _blamed if g in self.global_ranks)
         if because:
-            marker = json.dumps({"reason": f"it failed: {why}"[:300], "because_of": because})
-            self._store_call(self.store.set, f"left/{self.rank}", marker)
+            self._leave_marker(f"it failed: {why}", because)
+
+    def _leave_marker(self, reason: str, because: list[int]) -> None:
+        """The close marker (``left/<rank>``), then the count of markers that the peers' NCCL watchers
+        poll (one store read for them while nobody leaves)."""
+        marker = encode_marker(reason, because, aborted=self._own.aborted is not None)
+        self._store_call(self.store.set, f"left/{self.rank}", marker)
+        self._store_call(self.store.add, MARKER_COUNT, 1)
 
     def _raise_input_errors(self, peers: Sequence[PeerStatus], error: Optional[BaseException]) -> None:
         messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
@@ -553,7 +560,8 @@ class ControlPlane:
         raise EPInputError(f"invalid input on peer rank(s) {[self.labels[r] for r, _ in bad]} ({desc})")
 
     def close(self, reason: str = "closed", because_of: Iterable[int] = ()) -> None:
-        """Shut the gloo group down now (left to interpreter exit, its threads can abort the process).
+        """Shut the gloo groups down now (left to interpreter exit, their threads can abort the process)
+        and end the NCCL groups (aborted after a loss, else once this device's queued work is done).
 
         Leaves ``reason`` in the store first, so a peer still waiting on this rank learns that it left
         rather than timing out.  ``because_of``: communicator ranks (``labels``) this rank leaves
@@ -563,15 +571,15 @@ class ControlPlane:
         pg, self._pg = self._pg, None
         if pg is None:
             return
-        self._drop_groups()
+        lost = [r for r in because_of if r in self.labels]
+        self._own.close(abort=bool(lost))
         self.broken = self.broken or "closed"
         _open_planes.discard(self)
         # the ranks this process found gone or missing travel along, so that a peer which cannot see
         # them itself (another machine) still names the root cause rather than this rank
         because = sorted({g for g in _blamed if g in self.global_ranks}
-                         | {self.global_ranks[self.labels.index(r)] for r in because_of if r in self.labels})
-        marker = json.dumps({"reason": reason[:300], "because_of": because})
-        self._store_call(self.store.set, f"left/{self.rank}", marker)
+                         | {self.global_ranks[self.labels.index(r)] for r in lost})
+        self._leave_marker(reason, because)
         if self.store_file is not None:
             self._remove_store_file_when_last()
         if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
