@@ -278,7 +278,7 @@ class Communicator:
         return sorted(lost)
 
     def close(self, reason: str = "closed") -> None:
-        """Release backend resources and the control plane's gloo group.  Idempotent; not collective.
+        """Release backend resources and the control plane's groups.  Idempotent; not collective.
 
         A peer still waiting in a call on this communicator fails at once with an ``EPTimeoutError``
         that names this rank and quotes ``reason``.

@@ -29,7 +29,9 @@ wait on any peer).  What a family gets in that ``ctx``:
 * ``group``: a gloo process group over the survivors (``control.gloo_group("data")``), ranked by
   ``group_rank``.  It is not in torch's group table: call its own methods (``allgather``,
   ``allreduce``, ``broadcast`` with group ranks; ``collective.collectives`` shows how).  Never
-  ``None`` (which would mean the world, lost ranks included).
+  ``None`` (which would mean the world, lost ranks included).  For CUDA tensors a family makes an
+  NCCL group over the survivors instead (``control.nccl_group(name, device)``, the same kind of
+  object; the collective family does, after aborting its old one).
 * ``topology``: the survivors' ``Topology`` (indexed by ``group_rank``).
 
 A family that cannot shrink keeps the base ``Backend.shrink``, which raises ``EPError``; the

@@ -21,9 +21,8 @@ place fails the run, though the run goes on with a new communicator.
 ``lost_ranks``; then each calls ``shrink()`` on every communicator and on the results' control plane
 and the run goes on over the survivors, every valid result compared with the oracle over the active
 ranks and ``Dispatched.inactive_pairs`` with the oracle's count.  A variant whose backend cannot
-shrink here (``EPError``: the collective backends on CUDA) is reported and dropped.  The summary says
-who died when, how long the survivors took to raise and to shrink, and what ran after; the killed
-rank's death is no failure.
+shrink here (``EPError``) is reported and dropped.  The summary says who died when, how long the
+survivors took to raise and to shrink, and what ran after; the killed rank's death is no failure.
 """
 from __future__ import annotations
 

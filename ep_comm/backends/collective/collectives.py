@@ -4,16 +4,22 @@ NCCL takes uneven all_gather / reduce_scatter lists directly (torch groups them 
 reduces); gloo has neither reduce_scatter nor uneven all_gather, so there we issue one broadcast per
 source, all asynchronous, and wait for them together, and reduce with one all_reduce.
 
-A control plane's own gloo group (``ControlPlane.gloo_group``: CPU communicators, and the survivors of
-a shrink) is not in torch's group table: its collectives are called on the object itself, since the
-``torch.distributed`` functions would turn a peer's failure into a ValueError about that table.
+A control plane's own groups (``ControlPlane.gloo_group``: CPU communicators and their survivors;
+``ControlPlane.nccl_group``: CUDA communicators and their survivors) are not in torch's group table:
+their collectives are called on the object itself, as the ``torch.distributed`` functions would call
+them (the same methods and options, then ``work.wait()``, which under CUDA-graph capture only joins
+the streams), since those functions look the group up in that table, which would turn a peer's failure
+into a ValueError about it.  A caller's registered group still goes through the functions.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ...distributed.groups import is_own_nccl
 
 
 def _own_gloo(group) -> Optional[dist.ProcessGroupGloo]:
@@ -21,7 +27,28 @@ def _own_gloo(group) -> Optional[dist.ProcessGroupGloo]:
     return group if isinstance(group, dist.ProcessGroupGloo) else None
 
 
+def _own_nccl(group) -> Optional[Any]:
+    """``group`` when it is a control plane's own ``ProcessGroupNCCL``, else None (also on torch builds
+    without NCCL, where the class does not exist)."""
+    return group if is_own_nccl(group) else None
+
+
+def _sync_opts(kind: str) -> Any:
+    """``c10d.<kind>()`` as the ``torch.distributed`` functions fill it for a synchronous call: a sum, and
+    ``asyncOp`` False where torch has it (the collective then runs on the caller's stream)."""
+    opts = getattr(c10d, kind)()
+    if hasattr(opts, "reduceOp"):
+        opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
+
+
 def is_nccl(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` moves data over NCCL: an own ``ProcessGroupNCCL`` (recognised by its class; it is
+    not in torch's table, so ``dist.get_backend`` is never asked about it) or a registered NCCL group."""
+    if _own_nccl(group) is not None:
+        return True
     if _own_gloo(group) is not None:
         return False
     return dist.get_backend(group) == "nccl"
@@ -30,8 +57,11 @@ def is_nccl(group: Optional[dist.ProcessGroup]) -> bool:
 def all_reduce(buf: torch.Tensor, group) -> None:
     """Sum ``buf`` over the group's ranks, in place."""
     own = _own_gloo(group)
+    nccl = _own_nccl(group)
     if own is not None:
         own.allreduce([buf]).wait()  # type: ignore[attr-defined]
+    elif nccl is not None:
+        nccl.allreduce([buf], _sync_opts("AllreduceOptions")).wait()
     else:
         dist.all_reduce(buf, group=group)
 
@@ -40,8 +70,11 @@ def all_gather_equal(send: torch.Tensor, world: int, group) -> torch.Tensor:
     """``[world, *send.shape]`` with every rank's ``send``."""
     out = torch.empty((world, *send.shape), dtype=send.dtype, device=send.device)
     own = _own_gloo(group)
+    nccl = _own_nccl(group)
     if own is not None:
         own.allgather([list(out.unbind(0))], [send]).wait()  # type: ignore[attr-defined]
+    elif nccl is not None:  # all_gather_into_tensor
+        nccl._allgather_base(out, send, _sync_opts("AllgatherOptions")).wait()
     elif is_nccl(group):
         dist.all_gather_into_tensor(out, send, group=group)
     else:
@@ -55,7 +88,11 @@ def all_gatherv(send: torch.Tensor, sizes: Sequence[int], rank: int, group):
         return list(all_gather_equal(send, len(sizes), group).unbind(0))
     if is_nccl(group):
         outs = [torch.empty(n, dtype=send.dtype, device=send.device) for n in sizes]
-        dist.all_gather(outs, send, group=group)
+        nccl = _own_nccl(group)
+        if nccl is not None:  # all_gather over a list of uneven outputs
+            nccl.allgather([outs], [send], _sync_opts("AllgatherOptions")).wait()
+        else:
+            dist.all_gather(outs, send, group=group)
     else:
         outs = [send if r == rank else torch.empty(n, dtype=send.dtype, device=send.device)
                 for r, n in enumerate(sizes)]
@@ -72,7 +109,14 @@ def reduce_scatterv(buf: torch.Tensor, rows: Sequence[int], rank: int, group):
     chunks = list(torch.split(buf, list(rows), dim=0))
     if is_nccl(group):
         out = torch.empty_like(chunks[rank])
-        if len(set(rows)) == 1:
+        nccl = _own_nccl(group)
+        if nccl is not None:
+            opts = _sync_opts("ReduceScatterOptions")
+            if len(set(rows)) == 1:  # reduce_scatter_tensor
+                nccl._reduce_scatter_base(out, buf, opts).wait()
+            else:
+                nccl.reduce_scatter([out], [chunks], opts).wait()
+        elif len(set(rows)) == 1:
             dist.reduce_scatter_tensor(out, buf, group=group)
         else:
             dist.reduce_scatter(out, chunks, group=group)

@@ -8,6 +8,12 @@ An eager call packs its local work first, then agrees with the peers on the host
 then exchanges: a local failure so reaches the peers as an error instead of leaving them inside a
 collective.  A CUDA-graph capture makes no host round trip; sizes are padded to max_tokens_per_rank
 and each message carries an (op, epoch) header checked on the device instead.
+
+The data moves over a group of the communicator's own: gloo on the CPU, NCCL on CUDA devices
+(``ControlPlane.gloo_group`` / ``nccl_group``), never the caller's.  The NCCL one is aborted as soon as
+the control plane finds a peer lost, which also releases a kernel left waiting for a rank that died
+inside a collective; the call that was running, or the next one, or ``check_errors``, then raises
+the ``EPTimeoutError`` naming the lost rank, and ``shrink`` builds a new NCCL group over the survivors.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ...distributed.control import OP_COMBINE, OP_DISPATCH
+from ...distributed.control import OP_COMBINE, OP_DISPATCH, OP_EXCHANGE
+from ...distributed.groups import is_own_nccl
 from ...errors import EPError, EPInputError
 from ...layouts import Dispatched
 from ...quant import quantize_fp8
@@ -34,6 +41,7 @@ from ..base import (
     capturing_graph,
 )
 from .agreement import HostAgreement
+from .collectives import is_nccl
 from .error_counts import ErrorCounts
 from .invalid_ids import InvalidIds
 from .packing import (
@@ -72,6 +80,7 @@ class CollectiveBackend(Backend):
         self.invalid_ids = InvalidIds(ctx.cfg, ctx.group_rank, ctx.group_size, ctx.device, self.counts,
                                       ctx.active_ranks)
         self.agreement = HostAgreement(ctx.control)
+        self._owns_nccl = is_own_nccl(ctx.group)  # its data group is the control plane's NCCL group
         self._capabilities = Capabilities(host_agreement=ctx.control.agreement)
 
     # -- what naive and ag_rs differ in -------------------------------------------------------------
@@ -98,23 +107,36 @@ class CollectiveBackend(Backend):
 
     @classmethod
     def create(cls, ctx: BackendContext) -> CollectiveBackend:
-        """On the CPU the data moves over a gloo group of the communicator's own (``gloo_group``), not
-        the caller's: its timeout is ``timeout_s``, so a survivor left blocked in a collective by a lost
-        rank gets out within ``timeout_s`` whatever the caller's group timeout (a shrink waits for
-        every survivor, up to 2 × ``timeout_s`` + ``SETTLE_S``)."""
+        """The data moves over a group of the communicator's own, not the caller's.  On the CPU a gloo
+        group (``gloo_group``) whose timeout is ``timeout_s``, so a survivor left blocked in a
+        collective by a lost rank gets out within ``timeout_s`` whatever the caller's group timeout (a
+        shrink waits for every survivor, up to 2 × ``timeout_s`` + ``SETTLE_S``).  On a CUDA device
+        whose caller's group is NCCL, an NCCL group (``nccl_group``): the caller's group is not ours to
+        abort, and only an abort releases a kernel waiting for a rank that died.  (CUDA tensors over a
+        caller's gloo group, e.g. ranks sharing a GPU, which NCCL refuses, keep that group.)"""
         if ctx.device.type == "cpu":
             ctx = dataclasses.replace(ctx, group=ctx.control.gloo_group("data"))
+        elif is_nccl(ctx.group):
+            ctx = dataclasses.replace(ctx, group=ctx.control.nccl_group("data", ctx.device))
         return cls(ctx)
 
     def shrink(self, ctx: BackendContext) -> CollectiveBackend:
-        """The same backend over the survivors: ``ctx.group`` is their gloo group, so the collectives
-        never include a lost rank.  Selection keeps the pairs whose expert this rank owns by
+        """The same backend over the survivors, on a group of theirs, so the collectives never include a
+        lost rank: their gloo group (``ctx.group``) on the CPU, a new NCCL group over their control plane
+        on CUDA (``ctx.control.nccl_group``; it never waits on a lost rank).  This backend's NCCL group
+        is aborted first: it includes the lost ranks, and a kernel of it may still wait for one in front
+        of the stream the new group uses.  Selection keeps the pairs whose expert this rank owns by
         communicator rank (``ctx.rank``), so the experts of lost ranks are nobody's and their pairs
-        vanish; dispatch counts them (``Dispatched.inactive_pairs``).  CPU only: over NCCL the
-        survivors would need a new NCCL communicator, which is not built here."""
-        if ctx.device.type != "cpu":
-            raise EPError(f"backend {self.name} cannot shrink on {ctx.device}: the survivors' group is gloo "
-                          "(CPU tensors); a shrink over NCCL is not implemented")
+        vanish; dispatch counts them (``Dispatched.inactive_pairs``).  ``EPError`` for CUDA tensors
+        over a caller's gloo group."""
+        if self._owns_nccl:
+            lost = sorted(set(self.ctx.active_ranks) - set(ctx.active_ranks))
+            self.ctx.control.abort_nccl_groups(f"shrinking to ranks {list(ctx.active_ranks)} without {lost}")
+            ctx = dataclasses.replace(ctx, group=ctx.control.nccl_group("data", ctx.device))
+        elif ctx.device.type != "cpu":
+            raise EPError(f"backend {self.name} cannot shrink on {ctx.device} over a gloo group (CUDA tensors on "
+                          "a gloo bootstrap): the survivors' group would be gloo; bootstrap over NCCL, one GPU "
+                          "per rank")
         return type(self)(ctx)
 
     @property
@@ -122,7 +144,19 @@ class CollectiveBackend(Backend):
         return self._capabilities
 
     def close(self) -> None:
-        pass
+        """Give the own NCCL group back (``ControlPlane.nccl_group``: a clean shutdown once the device's
+        queued work is done, an abort after a loss or when that work does not finish within
+        ``timeout_s``); the plane's close ends whatever is left.  Waits on no peer."""
+        if self._owns_nccl:
+            self.ctx.control.release_nccl_group("data")
+
+    def _raise_if_group_lost(self, op: int, epoch: int, cause: Optional[BaseException] = None) -> None:
+        """Raise the control plane's ``EPTimeoutError`` naming the lost ranks once the own NCCL group
+        was aborted: what a collective of it produced since (a kernel cut short) is no result."""
+        why = self.ctx.control.nccl_aborted if self._owns_nccl else None
+        if why is not None:
+            lost = self.ctx.control.failure(op, epoch, RuntimeError(f"NCCL data group aborted: {why}"))
+            raise lost from cause
 
     def dispatch_input_buffer(self) -> Optional[torch.Tensor]:
         return None
@@ -132,12 +166,18 @@ class CollectiveBackend(Backend):
 
     def check_errors(self) -> None:
         try:
-            self.counts.raise_counted(self.ctx.cfg)
+            try:  # a lost peer first: after an abort the counts describe cut-short kernels
+                self.counts.raise_counted(self.ctx.cfg)
+            except EPError as exc:
+                self._raise_if_group_lost(OP_EXCHANGE, -1, exc)
+                raise
+            self._raise_if_group_lost(OP_EXCHANGE, -1)
         finally:
             self.invalid_ids.reset()
 
     def dispatch(self, call: DispatchCall, recv_hook: bool) -> tuple[Dispatched, Optional[ReceiveHalf]]:
         cfg, capturing = self.ctx.cfg, capturing_graph(self.ctx.device)
+        self._raise_if_group_lost(OP_DISPATCH, call.epoch)
         validate = not capturing and cfg.validate_ids
         error = call.error
         if error is None and not capturing and not validate:
@@ -180,8 +220,13 @@ class CollectiveBackend(Backend):
             if typed is exc:
                 raise
             raise typed from exc
-        if validate:
-            self.invalid_ids.raise_if_any(call.topk_ids)
+        if validate:  # the host waits for the gathered counts here: a loss meanwhile is what it reports
+            try:
+                self.invalid_ids.raise_if_any(call.topk_ids)
+            except EPInputError as exc:
+                self._raise_if_group_lost(OP_DISPATCH, call.epoch, exc)
+                raise
+        self._raise_if_group_lost(OP_DISPATCH, call.epoch)
         out.x_global_scale = global_scale
         if not self.ctx.is_full:
             out.inactive_pairs = count_inactive_pairs(call.topk_ids, self.ctx.expert_active)
@@ -190,6 +235,7 @@ class CollectiveBackend(Backend):
     def combine(self, call: CombineCall, recv_hook: bool) -> tuple[torch.Tensor, Optional[ReceiveHalf]]:
         capturing = capturing_graph(self.ctx.device)
         d, cfg = call.dispatched, self.ctx.cfg
+        self._raise_if_group_lost(OP_COMBINE, d.epoch if isinstance(d, Dispatched) else -1)
         if call.error is not None:
             if not capturing:
                 self.agreement.agree(OP_COMBINE, -1, 0, call.error)
@@ -206,7 +252,9 @@ class CollectiveBackend(Backend):
         if not capturing:
             self.agreement.agree(OP_COMBINE, d.epoch, d.num_tokens)
         try:
-            return self.exchange_combine(d, out, prepared), None
+            out = self.exchange_combine(d, out, prepared)
+            self._raise_if_group_lost(OP_COMBINE, d.epoch)
+            return out, None
         except Exception as exc:
             typed = self.agreement.transport_failure(OP_COMBINE, d.epoch, exc, capturing)
             if typed is exc:
