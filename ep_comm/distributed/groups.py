@@ -117,6 +117,7 @@ class OwnGroups:
         self._nccl: dict[str, tuple[Any, torch.device]] = {}
         self._lock = threading.Lock()  # the watcher aborts from its own thread
         self._watch: Optional[LossWatch] = None
+        self._made_nccl = False
         self.aborted: Optional[str] = None
 
     def gloo(self, name: str) -> Any:
@@ -141,7 +142,7 @@ class OwnGroups:
         pg = _new_nccl_group(dist.PrefixStore(f"nccl_group/{name}/", self._store), self._rank, self._size,
                              self._timeout_s, device, self._global_ranks, f"ep_comm:{self._tag}:{name}")
         with self._lock:  # registered before it connects, so that a loss meanwhile aborts the connection too
-            self._nccl[name] = (pg, device)
+            self._nccl[name], self._made_nccl = (pg, device), True
         try:
             connect = getattr(pg, "eager_connect_single_device", None)
             if connect is not None:  # else torch connects on the first collective
@@ -158,9 +159,10 @@ class OwnGroups:
 
     def abort_nccl(self, why: str) -> None:
         """Abort every NCCL group now (idempotent; from any thread): their kernels waiting for a lost peer
-        end, so the streams behind them run again.  Returns once the aborts are done."""
+        end, so the streams behind them run again.  Returns once the aborts are done.  A plane that never
+        made one has nothing to abort (and its close marker says so)."""
         with self._lock:
-            if self.aborted is None:
+            if self.aborted is None and self._made_nccl:
                 self.aborted = why
             groups, self._nccl = list(self._nccl.values()), {}
             for pg, _ in groups:

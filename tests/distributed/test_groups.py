@@ -30,7 +30,7 @@ class FakePG:
 
 def _own(pg: FakePG, name: str = "data") -> groups.OwnGroups:
     own = groups.OwnGroups(dist.HashStore(), 0, 2, 5.0, [0, 1], "t")
-    own._nccl[name] = (pg, torch.device("cpu"))
+    own._nccl[name], own._made_nccl = (pg, torch.device("cpu")), True
     return own
 
 
@@ -64,6 +64,12 @@ def test_close_after_a_loss_aborts() -> None:
     pg = FakePG()
     own = _own(pg)
     assert own.close(abort=True) and pg.calls == ["abort"]
+
+
+def test_without_nccl_groups_nothing_is_aborted() -> None:
+    own = groups.OwnGroups(dist.HashStore(), 0, 2, 5.0, [0, 1], "t")
+    own.abort_nccl("a loss")
+    assert own.aborted is None and not own.close(abort=True)
 
 
 def test_watch_reports_once_and_stops() -> None:
