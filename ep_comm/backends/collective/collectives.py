@@ -54,6 +54,13 @@ def is_nccl(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
+def carries_cuda_over_nccl(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether a caller's registered group moves CUDA tensors over NCCL: its backend is "nccl", or a
+    device map naming NCCL for CUDA (``"cpu:gloo,cuda:nccl"``, torch's default with CUDA)."""
+    backend = str(dist.get_backend(group))
+    return backend == "nccl" or "cuda:nccl" in backend
+
+
 def all_reduce(buf: torch.Tensor, group) -> None:
     """Sum ``buf`` over the group's ranks, in place."""
     own = _own_gloo(group)

@@ -41,7 +41,7 @@ from ..base import (
     capturing_graph,
 )
 from .agreement import HostAgreement
-from .collectives import is_nccl
+from .collectives import carries_cuda_over_nccl
 from .error_counts import ErrorCounts
 from .invalid_ids import InvalidIds
 from .packing import (
@@ -111,12 +111,13 @@ class CollectiveBackend(Backend):
         group (``gloo_group``) whose timeout is ``timeout_s``, so a survivor left blocked in a
         collective by a lost rank gets out within ``timeout_s`` whatever the caller's group timeout (a
         shrink waits for every survivor, up to 2 × ``timeout_s`` + ``SETTLE_S``).  On a CUDA device
-        whose caller's group is NCCL, an NCCL group (``nccl_group``): the caller's group is not ours to
-        abort, and only an abort releases a kernel waiting for a rank that died.  (CUDA tensors over a
-        caller's gloo group, e.g. ranks sharing a GPU, which NCCL refuses, keep that group.)"""
+        whose caller's group carries CUDA tensors over NCCL, an NCCL group (``nccl_group``): the
+        caller's group is not ours to abort, and only an abort releases a kernel waiting for a rank that
+        died.  (CUDA tensors over a caller's gloo group, e.g. ranks sharing a GPU, which NCCL refuses,
+        keep that group.)"""
         if ctx.device.type == "cpu":
             ctx = dataclasses.replace(ctx, group=ctx.control.gloo_group("data"))
-        elif is_nccl(ctx.group):
+        elif carries_cuda_over_nccl(ctx.group):
             ctx = dataclasses.replace(ctx, group=ctx.control.nccl_group("data", ctx.device))
         return cls(ctx)
 

@@ -173,6 +173,12 @@ def test_a_registered_group_still_goes_through_the_functions(monkeypatch) -> Non
     assert calls == [("all_reduce", group), ("agit", group), ("rs", group)]
 
 
+def test_which_caller_groups_carry_cuda_tensors_over_nccl(monkeypatch) -> None:
+    names = {1: "nccl", 2: "cpu:gloo,cuda:nccl", 3: "gloo", 4: "cpu:gloo,cuda:gloo"}
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: names[g])
+    assert [collectives.carries_cuda_over_nccl(g) for g in names] == [True, True, False, False]
+
+
 def test_nccl_group_on_a_torch_without_nccl_is_a_typed_error(monkeypatch) -> None:
     """``ControlPlane.nccl_group`` refuses with ``EPError`` (not AttributeError) before any rendezvous."""
     from ep_comm.distributed.control import ControlPlane
