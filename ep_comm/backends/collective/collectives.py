@@ -44,6 +44,13 @@ def _sync_opts(kind: str) -> Any:
     return opts
 
 
+def _wait(work: Any) -> None:
+    """``work.wait()``, as the functions do for a synchronous call (some torch versions return no work
+    for one that already ran on the caller's stream)."""
+    if work is not None:
+        work.wait()
+
+
 def is_nccl(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``group`` moves data over NCCL: an own ``ProcessGroupNCCL`` (recognised by its class; it is
     not in torch's table, so ``dist.get_backend`` is never asked about it) or a registered NCCL group."""
@@ -68,7 +75,7 @@ def all_reduce(buf: torch.Tensor, group) -> None:
     if own is not None:
         own.allreduce([buf]).wait()  # type: ignore[attr-defined]
     elif nccl is not None:
-        nccl.allreduce([buf], _sync_opts("AllreduceOptions")).wait()
+        _wait(nccl.allreduce([buf], _sync_opts("AllreduceOptions")))
     else:
         dist.all_reduce(buf, group=group)
 
@@ -81,7 +88,7 @@ def all_gather_equal(send: torch.Tensor, world: int, group) -> torch.Tensor:
     if own is not None:
         own.allgather([list(out.unbind(0))], [send]).wait()  # type: ignore[attr-defined]
     elif nccl is not None:  # all_gather_into_tensor
-        nccl._allgather_base(out, send, _sync_opts("AllgatherOptions")).wait()
+        _wait(nccl._allgather_base(out, send, _sync_opts("AllgatherOptions")))
     elif is_nccl(group):
         dist.all_gather_into_tensor(out, send, group=group)
     else:
@@ -97,7 +104,7 @@ def all_gatherv(send: torch.Tensor, sizes: Sequence[int], rank: int, group):
         outs = [torch.empty(n, dtype=send.dtype, device=send.device) for n in sizes]
         nccl = _own_nccl(group)
         if nccl is not None:  # all_gather over a list of uneven outputs
-            nccl.allgather([outs], [send], _sync_opts("AllgatherOptions")).wait()
+            _wait(nccl.allgather([outs], [send], _sync_opts("AllgatherOptions")))
         else:
             dist.all_gather(outs, send, group=group)
     else:
@@ -120,9 +127,9 @@ def reduce_scatterv(buf: torch.Tensor, rows: Sequence[int], rank: int, group):
         if nccl is not None:
             opts = _sync_opts("ReduceScatterOptions")
             if len(set(rows)) == 1:  # reduce_scatter_tensor
-                nccl._reduce_scatter_base(out, buf, opts).wait()
+                _wait(nccl._reduce_scatter_base(out, buf, opts))
             else:
-                nccl.reduce_scatter([out], [chunks], opts).wait()
+                _wait(nccl.reduce_scatter([out], [chunks], opts))
         elif len(set(rows)) == 1:
             dist.reduce_scatter_tensor(out, buf, group=group)
         else:
