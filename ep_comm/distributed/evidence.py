@@ -66,18 +66,31 @@ def classify(exited: dict[int, str], markers: dict[int, Marker], rank: int, labe
     return gone, followers, dead
 
 
+def _clone_of_tcp_store(store: dist.Store) -> Optional[dist.Store]:
+    """A connection of its own to ``store`` when it is (a prefix of) a ``TCPStore``, else None.  A clone of
+    a ``FileStore`` would count as one more member in the file's clean-up (each one destroyed counts,
+    and the count reaching the members removes the file under the others), and a ``FileStore`` is only
+    met by ranks on one host, where ``/proc`` answers anyway."""
+    leaf = store
+    while isinstance(leaf, dist.PrefixStore):
+        leaf = leaf.underlying_store
+    if not isinstance(leaf, dist.TCPStore):
+        return None
+    try:
+        return store.clone()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a torch without Store.clone(): the /proc evidence only
+        return None
+
+
 def loss_check(diagnose: Callable[[bool, Optional[dist.Store]], Verdict], store: dist.Store,
                labels: Sequence[int]) -> Callable[[], Optional[str]]:
     """What a watcher of NCCL groups asks: why this rank's NCCL collectives can no longer finish, or None.
 
     ``diagnose(use_store, store)``: the plane's verdict.  ``/proc`` is read on every call; the store,
     through a connection of the watcher's own (a clone of ``store``: the plane's may be busy waiting
-    for a long time), only once the marker count has changed.
+    for a long time), only once the marker count has changed, and only a ``TCPStore``.
     """
-    try:  # a torch without Store.clone(), or a store that cannot be cloned: the /proc evidence only
-        own: Optional[dist.Store] = store.clone()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - see above
-        own = None
+    own = _clone_of_tcp_store(store)
     seen = [0]
 
     def check() -> Optional[str]:

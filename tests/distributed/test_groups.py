@@ -104,7 +104,8 @@ def test_classify_tells_dead_peers_from_peers_that_closed() -> None:
 
 
 def test_loss_check_reads_the_store_only_after_a_new_marker() -> None:
-    store = dist.HashStore()
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    store = dist.PrefixStore("plane/", server)
     asked: list[bool] = []
 
     def diagnose(use_store, st):
@@ -118,6 +119,19 @@ def test_loss_check_reads_the_store_only_after_a_new_marker() -> None:
     store.set("left/1", "x")
     store.add(evidence.MARKER_COUNT, 1)
     assert check() == "rank 2 is gone (rank 1 lost it)" and asked == [False, False, True]
+
+
+def test_loss_check_never_clones_a_file_store(tmp_path) -> None:
+    """A clone would count in the file's clean-up and could remove it under the plane's members."""
+    path = str(tmp_path / "store")
+    members = [dist.FileStore(path, 2), dist.FileStore(path, 2)]
+    asked: list[bool] = []
+    checks = [evidence.loss_check(lambda use, st: (asked.append(use), ({}, {}, set()))[1],
+                                  dist.PrefixStore("plane/", m), [0, 1]) for m in members]
+    members[0].add(evidence.MARKER_COUNT, 1)
+    assert [c() for c in checks] == [None, None] and asked == [False, False]  # /proc only
+    del checks
+    assert os.path.exists(path)
 
 
 # -- the watcher across processes -------------------------------------------------------------------------
