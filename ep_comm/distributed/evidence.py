@@ -71,9 +71,9 @@ def _clone_of_tcp_store(store: dist.Store) -> Optional[dist.Store]:
     a ``FileStore`` would count as one more member in the file's clean-up (each one destroyed counts,
     and the count reaching the members removes the file under the others), and a ``FileStore`` is only
     met by ranks on one host, where ``/proc`` answers anyway."""
-    leaf = store
+    leaf: Optional[dist.Store] = store
     while isinstance(leaf, dist.PrefixStore):
-        leaf = leaf.underlying_store
+        leaf = getattr(leaf, "underlying_store", None)  # unknown underneath: treated as no TCPStore
     if not isinstance(leaf, dist.TCPStore):
         return None
     try:
