@@ -45,6 +45,10 @@ from .topology import Topology, local_host_id
 OP_NAMES = {0: "create", 1: "dispatch", 2: "combine", 3: "close", 4: "exchange"}
 OP_CREATE, OP_DISPATCH, OP_COMBINE, OP_CLOSE, OP_EXCHANGE = 0, 1, 2, 3, 4
 
+#: the NCCL groups' watcher reads /proc every groups.WATCH_INTERVAL_S and the store's marker count every
+#: this many times (about once a second: one round trip per plane and rank to the store's one host)
+STORE_POLL_EVERY = 5
+
 #: after the transport reports a lost connection, how long to look for the peer that caused it: a
 #: rank that raised is usually still closing its communicators, a killed one still being reaped
 SETTLE_S = 5.0
@@ -293,8 +297,8 @@ class ControlPlane:
                           f"NCCL): no NCCL group for {device}")
         self.meet(f"nccl_group/{name}", self.timeout_s)
         try:
-            return self._own.nccl(name, torch.device(device), lambda: loss_check(self._diagnose, self.store,
-                                                                                 self.labels))
+            return self._own.nccl(name, torch.device(device), lambda: loss_check(
+                self._diagnose, self.store, self.labels, store_every=STORE_POLL_EVERY))
         except RuntimeError as exc:
             raise self.failure(OP_CREATE, -1, exc) from exc
 

@@ -83,20 +83,22 @@ def _clone_of_tcp_store(store: dist.Store) -> Optional[dist.Store]:
 
 
 def loss_check(diagnose: Callable[[bool, Optional[dist.Store]], Verdict], store: dist.Store,
-               labels: Sequence[int]) -> Callable[[], Optional[str]]:
+               labels: Sequence[int], store_every: int = 1) -> Callable[[], Optional[str]]:
     """What a watcher of NCCL groups asks: why this rank's NCCL collectives can no longer finish, or None.
 
-    ``diagnose(use_store, store)``: the plane's verdict.  ``/proc`` is read on every call; the store,
+    ``diagnose(use_store, store)``: the plane's verdict.  ``/proc`` is read on every call; the marker
+    count on every ``store_every``-th (one round trip to the store's host, which serves every rank),
     through a connection of the watcher's own (a clone of ``store``: the plane's may be busy waiting
-    for a long time), only once the marker count has changed, and only a ``TCPStore``.
+    for a long time), and the markers only once that count has changed; only a ``TCPStore`` is read.
     """
     own = _clone_of_tcp_store(store)
-    seen = [0]
+    seen, calls = [0], [0]
 
     def check() -> Optional[str]:
         nonlocal own
         gone, _, dead = diagnose(False, None)
-        if not dead and own is not None:
+        calls[0] += 1
+        if not dead and own is not None and calls[0] % store_every == 0:
             try:
                 count = own.add(MARKER_COUNT, 0)
             except Exception:  # noqa: BLE001 - its host may be the rank that died: stop asking it
