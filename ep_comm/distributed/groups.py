@@ -53,12 +53,35 @@ def nccl_timeout_s(timeout_s: float) -> float:
     return max(NCCL_TIMEOUT_MIN_S, NCCL_TIMEOUT_FACTOR * timeout_s)
 
 
-def abort_quietly(pg: Any) -> None:
-    """Abort ``pg`` (local: it waits on no peer); never raises."""
-    try:
-        pg.abort()
-    except Exception:  # noqa: BLE001 - already aborted, or torch has no abort() for it: nothing left to do
-        pass
+#: how long a caller waits for an NCCL group's abort or shutdown before going on without it.  NCCL ends a
+#: communicator only once every CUDA graph that captured one of its collectives is destroyed
+#: (``ncclCommAbort`` first raises the flag that ends its running kernels, then waits for those graphs),
+#: so a caller that still holds such a graph, or closes before dropping it, would wait forever.
+END_WAIT_S = 1.0
+
+
+def end_group(pg: Any, shutdown: bool = False, wait_s: Optional[float] = None) -> bool:
+    """Abort ``pg`` (local: it waits on no peer), or with ``shutdown`` shut it down cleanly (an abort if
+    that fails), on a daemon thread; never raises.  Returns whether that finished within ``wait_s``;
+    otherwise it finishes by itself once the graphs that captured the group's collectives are gone
+    (``wait_s``: ``END_WAIT_S`` when None)."""
+
+    def end() -> None:
+        try:
+            if shutdown and getattr(pg, "shutdown", None) is not None:
+                try:
+                    pg.shutdown()
+                    return
+                except Exception:  # noqa: BLE001 - a failed shutdown falls back to the abort
+                    pass
+            pg.abort()
+        except Exception:  # noqa: BLE001 - already aborted, or torch has no abort() for it: nothing left to do
+            pass
+
+    thread = threading.Thread(target=end, name="ep_comm-nccl-end", daemon=True)
+    thread.start()
+    thread.join(END_WAIT_S if wait_s is None else wait_s)
+    return not thread.is_alive()
 
 
 def _new_nccl_group(store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device,
@@ -151,7 +174,7 @@ class OwnGroups:
         except BaseException:
             with self._lock:
                 self._nccl.pop(name, None)
-            abort_quietly(pg)
+            end_group(pg)
             raise
         if self._watch is None and self._size > 1:
             self._watch = LossWatch(make_check(), self.abort_nccl)
@@ -159,14 +182,15 @@ class OwnGroups:
 
     def abort_nccl(self, why: str) -> None:
         """Abort every NCCL group now (idempotent; from any thread): their kernels waiting for a lost peer
-        end, so the streams behind them run again.  Returns once the aborts are done.  A plane that never
-        made one has nothing to abort (and its close marker says so)."""
+        end, so the streams behind them run again.  Returns once each abort is done, or after ``END_WAIT_S``
+        for one that waits for CUDA graphs (``end_group``).  A plane that never made one has nothing to
+        abort (and its close marker says so)."""
         with self._lock:
             if self.aborted is None and self._made_nccl:
                 self.aborted = why
             groups, self._nccl = list(self._nccl.values()), {}
-            for pg, _ in groups:
-                abort_quietly(pg)
+        for pg, _ in groups:  # outside the lock: an abort may wait for CUDA graphs (end_group)
+            end_group(pg)
 
     def release_nccl(self, name: str) -> None:
         """Give the NCCL group ``name`` back: shut down cleanly once this device's queued work is done,
@@ -179,18 +203,13 @@ class OwnGroups:
     def _release(self, pg: Any, device: torch.device) -> None:
         if self.aborted is None:
             if self._drained(device):
-                shutdown = getattr(pg, "shutdown", None)
-                try:
-                    if shutdown is not None:
-                        shutdown()
-                        return
-                except Exception:  # noqa: BLE001 - a shutdown that fails falls back to the abort below
-                    pass
-            else:  # peers may be waiting in a collective with this rank: the close marker tells them
-                why = f"this rank's queued work did not finish within {self._timeout_s:g} s"
-                with self._lock:
-                    self.aborted = self.aborted or why
-        abort_quietly(pg)
+                end_group(pg, shutdown=True)
+                return
+            # peers may be waiting in a collective with this rank: the close marker tells them
+            why = f"this rank's queued work did not finish within {self._timeout_s:g} s"
+            with self._lock:
+                self.aborted = self.aborted or why
+        end_group(pg)
 
     def _drained(self, device: torch.device) -> bool:
         """Whether every kernel queued on ``device`` finished within ``timeout_s`` (no lost peer meanwhile).

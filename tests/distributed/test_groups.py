@@ -66,6 +66,50 @@ def test_close_after_a_loss_aborts() -> None:
     assert own.close(abort=True) and pg.calls == ["abort"]
 
 
+class GraphHeldPG(FakePG):
+    """A group whose abort and shutdown, like NCCL's, return only once the CUDA graphs that captured its
+    collectives are destroyed (``released``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def abort(self) -> None:
+        super().abort()
+        self.released.wait()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.released.wait()
+
+
+def test_abort_and_close_do_not_wait_for_graphs_that_hold_the_group(monkeypatch) -> None:
+    monkeypatch.setattr(groups, "END_WAIT_S", 0.2)
+    for how in ("abort", "close", "shutdown"):
+        pg = GraphHeldPG()
+        own = _own(pg)
+        monkeypatch.setattr(own, "_drained", lambda device: True)
+        t0 = time.monotonic()
+        if how == "abort":
+            own.abort_nccl("rank 1 is gone")
+        else:
+            own.close(abort=how == "close")
+        took = time.monotonic() - t0
+        assert took < 2.0, f"{how}: waited {took:.1f} s for a group held by a graph"
+        assert pg.calls == ["shutdown" if how == "shutdown" else "abort"], (how, pg.calls)
+        pg.released.set()  # the graph goes: the abort or shutdown on its thread finishes
+
+
+def test_end_group_falls_back_to_abort_when_shutdown_fails() -> None:
+    class NoShutdown(FakePG):
+        def shutdown(self) -> None:
+            super().shutdown()
+            raise RuntimeError("not supported")
+
+    pg = NoShutdown()
+    assert groups.end_group(pg, shutdown=True) and pg.calls == ["shutdown", "abort"]
+
+
 def test_without_nccl_groups_nothing_is_aborted() -> None:
     own = groups.OwnGroups(dist.HashStore(), 0, 2, 5.0, [0, 1], "t")
     own.abort_nccl("a loss")
