@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import ep_comm
-from ep_comm import oracle
 from ep_comm.distributed.control import OP_DISPATCH
 from ep_comm.distributed.groups import is_own_nccl
 from ep_comm.distributed.spawn import spawn_local
 
 from .. import cases
+from ..shrink_checks import compare_with_active, shrink_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -46,37 +46,14 @@ def _ngpu() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _inputs(cfg: ep_comm.EPConfig, world: int, seed: int, tokens=None) -> list[oracle.RankInput]:
-    if tokens is None:
-        gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, cfg.max_tokens_per_rank + 1, (world,), generator=gen).tolist()
-    return oracle.random_inputs(cfg, world, seed, tokens=tokens, p_minus_one=0.15, p_duplicate=0.2)
-
-
-def _compare(comm, inputs, d, y, what: str) -> list[str]:
-    cfg, rank, world, active = comm.cfg, comm.rank, comm.world_size, list(comm.active_ranks)
-    problems = oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs, active)[rank])
-    problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs, active_ranks=active)[rank])
-    if len(active) < world:
-        want = oracle.expected_inactive_pairs(cfg, inputs, active)[rank]
-        got = d.inactive_pairs
-        if got is None or got.dim() != 0 or got.dtype != torch.int64 or got.device != d.x.device:
-            problems.append(f"inactive_pairs is {got!r}, expected a 0-dim int64 tensor on the device")
-        elif int(got) != want:
-            problems.append(f"inactive_pairs {int(got)}, expected {want}")
-    elif d.inactive_pairs is not None:
-        problems.append("inactive_pairs set while every rank is active")
-    return [f"{comm.backend}/{cfg.layout} active {active} {what}: {p}" for p in problems]
-
-
 def _eager_call(comm, seed: int) -> list[str]:
     cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-    inputs = _inputs(cfg, world, seed)
+    inputs = shrink_inputs(cfg, world, seed)
     mine = inputs[rank].to(comm.device)
     d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
     y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
     comm.check_errors()  # a loss during this call raises here, before the results are compared
-    return _compare(comm, inputs, d, y, f"eager seed {seed}")
+    return compare_with_active(comm, inputs, d, y, f"eager seed {seed}")
 
 
 class _Graph:
@@ -85,7 +62,7 @@ class _Graph:
     def __init__(self, comm, seed: int):
         cfg, rank, world = comm.cfg, comm.rank, comm.world_size
         self.comm, self.tokens = comm, [cfg.max_tokens_per_rank - r % 3 for r in range(world)]
-        first = _inputs(cfg, world, seed, self.tokens)[rank].to(comm.device)
+        first = shrink_inputs(cfg, world, seed, self.tokens)[rank].to(comm.device)
         self.x, self.ids, self.w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
         d = comm.dispatch(self.x, self.ids, self.w)  # eager warm-up: NCCL and cuBLAS set up outside the capture
         comm.combine(cases.graph_experts(cfg, rank, world, d), d)
@@ -97,13 +74,13 @@ class _Graph:
 
     def replay(self, seed: int) -> list[str]:
         comm = self.comm
-        inputs = _inputs(comm.cfg, comm.world_size, seed, self.tokens)
+        inputs = shrink_inputs(comm.cfg, comm.world_size, seed, self.tokens)
         mine = inputs[comm.rank].to(comm.device)
         self.x.copy_(mine.x), self.ids.copy_(mine.topk_ids), self.w.copy_(mine.topk_weights)
         self.graph.replay()
         torch.cuda.synchronize()  # behind a dead peer's kernel this waits until the group is aborted
         comm.check_errors()
-        return _compare(comm, inputs, self.d, self.y, f"replay seed {seed}")
+        return compare_with_active(comm, inputs, self.d, self.y, f"replay seed {seed}")
 
 
 def _die_after_agreeing(comm_index: int, comms: list) -> threading.Event:

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import ep_comm
-from ep_comm import oracle
 from ep_comm.distributed.spawn import spawn_local
 
 from .. import cases
+from ..shrink_checks import compare_with_active, shrink_inputs
 from .test_nvshmem import _why_skip as _why_no_nvshmem
 
 pytestmark = [pytest.mark.gpu]
@@ -34,42 +34,21 @@ def _ngpu() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _inputs(cfg: ep_comm.EPConfig, world: int, seed: int, tokens=None) -> list[oracle.RankInput]:
-    if tokens is None:
-        gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, cfg.max_tokens_per_rank + 1, (world,), generator=gen).tolist()
-    return oracle.random_inputs(cfg, world, seed, tokens=tokens, p_minus_one=0.15, p_duplicate=0.2)
-
-
-def _compare(comm, inputs, d, y, what: str) -> list[str]:
-    cfg, rank, world, active = comm.cfg, comm.rank, comm.world_size, list(comm.active_ranks)
-    problems = oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs, active)[rank])
-    problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs, active_ranks=active)[rank])
-    if len(active) < world:
-        want = oracle.expected_inactive_pairs(cfg, inputs, active)[rank]
-        got = d.inactive_pairs
-        if got is None or got.dim() != 0 or got.dtype != torch.int64 or got.device != d.x.device:
-            problems.append(f"inactive_pairs is {got!r}, expected a 0-dim int64 tensor on the device")
-        elif int(got) != want:
-            problems.append(f"inactive_pairs {int(got)}, expected {want}")
-    return [f"{comm.backend}/{cfg.layout} {what}: {p}" for p in problems]
-
-
 def _eager_call(comm, seed: int) -> list[str]:
     cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-    inputs = _inputs(cfg, world, seed)
+    inputs = shrink_inputs(cfg, world, seed)
     mine = inputs[rank].to(comm.device)
     d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
     y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
     comm.check_errors()  # a loss during this call raises here, before the results are compared
-    return _compare(comm, inputs, d, y, f"eager seed {seed}")
+    return compare_with_active(comm, inputs, d, y, f"eager seed {seed}")
 
 
 def _graph_calls(comm, seed: int, replays: int) -> list[str]:
     """Capture dispatch + combine once, replay with fresh inputs (fixed T per rank), compare each."""
     cfg, rank, world = comm.cfg, comm.rank, comm.world_size
     tokens = [cfg.max_tokens_per_rank - r % 3 for r in range(world)]
-    first = _inputs(cfg, world, seed, tokens)[rank].to(comm.device)
+    first = shrink_inputs(cfg, world, seed, tokens)[rank].to(comm.device)
     x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
     d = comm.dispatch(x_s, ids_s, w_s)  # eager warm-up outside the capture
     comm.combine(cases.graph_experts(cfg, rank, world, d), d)
@@ -80,12 +59,12 @@ def _graph_calls(comm, seed: int, replays: int) -> list[str]:
         y_s = comm.combine(cases.graph_experts(cfg, rank, world, d_s), d_s)
     problems: list[str] = []
     for rep in range(replays):
-        inputs = _inputs(cfg, world, seed + 1 + rep, tokens)
+        inputs = shrink_inputs(cfg, world, seed + 1 + rep, tokens)
         mine = inputs[rank].to(comm.device)
         x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
         graph.replay()
         torch.cuda.synchronize()
-        problems += _compare(comm, inputs, d_s, y_s, f"replay {rep}")
+        problems += compare_with_active(comm, inputs, d_s, y_s, f"replay {rep}")
     comm.check_errors()
     return problems
 
