@@ -34,3 +34,47 @@ def test_fp8_gpu_bit_identical_to_cpu(dtype):
     q_gpu, s_gpu = quantize_fp8(x.cuda())
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+def _nonfinite_rows(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=g)
+    x[0, 3] = float("nan")  # block 0 of row 0
+    x[1, 130] = float("inf")  # block 1 of row 1
+    x[1, 131] = -float("inf")
+    x[2, 7] = -float("nan")  # a NaN with its sign bit set
+    x[2, 200] = float("inf")
+    x[3, 0] = -0.0
+    x[3, 1:128] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_non_finite_policy(dtype):
+    x = _nonfinite_rows(dtype)
+    q, s = quantize_fp8(x)
+    qb, sb = q.view(torch.uint8), s.view(torch.int32)
+    nan_scale = 0x7FC00000
+    # a NaN: its block's scale and every byte NaN, always the same bits whatever the NaN's sign
+    assert sb[0, 0] == nan_scale and bool((qb[0, :128] == 0x7F).all())
+    assert sb[2, 0] == nan_scale and bool((qb[2, :128] == 0x7F).all())
+    # inf: its block's scale inf, the finite elements +-0 (their sign), the infinite ones NaN
+    assert torch.isinf(s[1, 1]) and torch.isinf(s[2, 1])
+    assert qb[1, 130] == 0x7F and qb[1, 131] == 0x7F and qb[2, 200] == 0x7F
+    finite = torch.ones(128, dtype=torch.bool)
+    finite[[2, 3]] = False
+    signs = (x[1, 128:].float()[finite] < 0).to(torch.uint8) * 0x80
+    assert torch.equal(qb[1, 128:][finite], signs)
+    # the other blocks are untouched by their neighbours' non-finite values
+    assert bool(torch.isfinite(s[0, 1])) and bool(torch.isfinite(s[1, 0]))
+    # zeros: the floor keeps the scale finite and -0 keeps its sign
+    assert s[3, 0] == pytest.approx(1e-4 / 448.0) and qb[3, 0] == 0x80 and bool((qb[3, 1:128] == 0).all())
+
+
+@pytest.mark.gpu
+def test_fp8_non_finite_gpu_bit_identical_to_cpu():
+    x = _nonfinite_rows(torch.bfloat16)
+    q_cpu, s_cpu = quantize_fp8(x)
+    q_gpu, s_gpu = quantize_fp8(x.cuda())
+    assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))

@@ -309,9 +309,19 @@ __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* con
   }
 }
 
+// max(a, b) that keeps a NaN of either (torch.amax and clamp propagate NaN; fmaxf would drop it): one
+// instruction (sm_80+), where a comparison and a select per element cost three
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // ---- fp8 e4m3, per token per 128 channels ---------------------------------------------------------
 // Bit-identical to ep_comm.quant.quantize_fp8: scale = max(amax, 1e-4) * fp32(1/448), q = RN(x / scale)
-// clamped to +-448.  Explicit round-to-nearest intrinsics keep fast-math out of the recipe.
+// clamped to +-448, every NaN written as 0x7FC00000 (scale) and 0x7F (byte): a NaN makes its block NaN,
+// an inf its block's scale inf.  Explicit round-to-nearest intrinsics keep fast-math out of the recipe.
+constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = 1.0f / 448.0f;
@@ -319,6 +329,17 @@ constexpr int kQuantAhead = 4;  // pieces of 256 channels a lane loads before qu
 
 __device__ __forceinline__ uint8_t fp8_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four floats to e4m3 bytes (a in the low byte), two per conversion instruction.  Saturating to +-448 is
+// the recipe's clamp for every number (448 is e4m3's largest); a NaN keeps its sign through the
+// conversion, so every byte whose low 7 bits are set (e4m3's only NaN codes) loses its sign bit.
+__device__ __forceinline__ uint32_t fp8x4_e4m3(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t w = lo | (hi << 16);
+  const uint32_t nan_bytes = ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return w & ~nan_bytes;
 }
 
 // x / s rounded to nearest, bit for bit __fdiv_rn(x, s), for a finite s > 0 and its correctly rounded
@@ -355,19 +376,19 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
     for (int u = 0; u < kQuantAhead; ++u) {
       if (base0 + u * kStep + lane * 8 < hidden) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax[u] = fmaxf(amax[u], fabsf(f[u][i]));
+        for (int i = 0; i < 8; ++i) amax[u] = nan_max(amax[u], fabsf(f[u][i]));
       }
     }
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) {
 #pragma unroll
-      for (int u = 0; u < kQuantAhead; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off, 16));
+      for (int u = 0; u < kQuantAhead; ++u) amax[u] = nan_max(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off, 16));
     }
     float scale[kQuantAhead];
     uint2 packed[kQuantAhead];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      scale[u] = __fmul_rn(fmaxf(amax[u], kFp8AmaxFloor), kFp8InvMax);
+      scale[u] = __fmul_rn(nan_max(amax[u], kFp8AmaxFloor), kFp8InvMax);
       float q[8];
       if (scale[u] <= 3.0e38f) {
         const float inv = __frcp_rn(scale[u]);
@@ -376,14 +397,9 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
       } else {  // amax inf or NaN
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale[u]);
+        if (scale[u] != scale[u]) scale[u] = __uint_as_float(kCanonicalNanBits);
       }
-      uint32_t lo = 0, hi = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        lo |= static_cast<uint32_t>(fp8_e4m3(fminf(fmaxf(q[i], -kFp8Max), kFp8Max))) << (8 * i);
-        hi |= static_cast<uint32_t>(fp8_e4m3(fminf(fmaxf(q[i + 4], -kFp8Max), kFp8Max))) << (8 * i);
-      }
-      packed[u] = make_uint2(lo, hi);
+      packed[u] = make_uint2(fp8x4_e4m3(q[0], q[1], q[2], q[3]), fp8x4_e4m3(q[4], q[5], q[6], q[7]));
     }
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -404,14 +420,6 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 // comparisons, as sm_90 has no e2m1 conversion instruction.
 constexpr int kNvfp4Block = 16;
 constexpr float kE2m1InvMax = 1.0f / 6.0f;  // fl32(1/6): the reference's _INV_E2M1_MAX
-
-// max(a, b) that keeps a NaN of either (torch.amax propagates NaN; fmaxf would drop it): one
-// instruction (sm_80+), where a comparison and a select per element cost three
-__device__ __forceinline__ float nan_max(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 // float value of an e4m3 (fn) byte; NaN (0x7F / 0xFF) as NaN.  Exact: e4m3 is a subset of float32.
 __device__ __forceinline__ float e4m3_value(uint32_t b) {

@@ -1,0 +1,167 @@
+"""The one-sided dispatch kernel's fused fp8 quantisation is ``ep_comm.quant.quantize_fp8`` byte for byte,
+non-finite input included: every token is sent to every rank (own rows and peers' rows, rows split into
+pieces by different warps), with rows and blocks across eight decades, values at and beyond +-448 times
+the scale, all-zero and negative-zero blocks, and blocks holding a NaN, a +-inf or both, for bf16, fp16
+and float32 input; a NaN makes its block NaN (scale 0x7FC00000, bytes 0x7F), a +-inf its block's scale
+inf.  mnnvl (both layouts and zero copy) and nvshmem (stores and put mode).  Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import oracle
+from ep_comm.quant import quantize_fp8
+
+from .. import cases
+from .test_mnnvl import _spawn
+from .test_nvshmem import PUT, _why_skip
+
+pytestmark = [pytest.mark.gpu]
+
+TOKENS = 6
+HIDDENS = (128, 2048)  # one block a row; 2048 channels, sent in pieces
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUTS = ("standard", "batched", "zero_copy")
+
+
+def _rows(world: int, hidden: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's x ``[TOKENS, hidden]``: random magnitudes per row and per block, then special rows."""
+    g = torch.Generator().manual_seed(seed)
+    nb = hidden // 128
+    out = []
+    for _ in range(world):
+        x = torch.randn(TOKENS, hidden, generator=g)
+        x *= torch.pow(10.0, torch.rand(TOKENS, 1, generator=g) * 4 - 2)
+        per_block = torch.pow(10.0, torch.rand(TOKENS, nb, 1, generator=g) * 4 - 2)
+        x *= per_block.expand(TOKENS, nb, 128).reshape(TOKENS, hidden)
+        x[0] = 0.0
+        x[0, 3] = -0.0
+        x[1, 5] = float("nan")  # block 0: NaN
+        x[2, 7] = float("inf")  # block 0: inf
+        x[2, 9] = -float("inf")
+        x[3, 1] = float("nan")  # block 0: NaN and inf
+        x[3, 2] = float("-inf")
+        x[4, :4] = torch.tensor([448.0, -448.0, 1e-30, -1e-30])  # the block's extremes and flushed values
+        out.append(x.to(dtype))
+    return out
+
+
+def case_names(backend: str) -> list[str]:
+    return [f"{backend}/{layout}/{dt}/h{h}" for layout in LAYOUTS for dt in DTYPES for h in HIDDENS]
+
+
+def _row_bytes(x: torch.Tensor, s: torch.Tensor) -> bytes:
+    return x.contiguous().view(torch.uint8).numpy().tobytes() + s.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _diff(got_x, got_s, want_x, want_s, src_x) -> str:
+    """Where a received row first differs from the reference, with its input block."""
+    gs, ws = got_s.view(torch.int32), want_s.view(torch.int32)
+    if not torch.equal(gs, ws):
+        b = int((gs != ws).nonzero()[0])
+        return (f"scale of block {b}: 0x{int(gs[b]) & 0xFFFFFFFF:08x}, reference 0x{int(ws[b]) & 0xFFFFFFFF:08x}; "
+                f"block amax {src_x[128 * b: 128 * b + 128].float().abs().max().item()}")
+    gx, wx = got_x.view(torch.uint8), want_x.view(torch.uint8)
+    i = int((gx != wx).nonzero()[0])
+    return f"byte {i}: 0x{int(gx[i]):02x}, reference 0x{int(wx[i]):02x}; element {src_x[i].item()}"
+
+
+def _one_call(comm, cfg, world: int, rank: int, xs: list[torch.Tensor]) -> list[str]:
+    ref = [quantize_fp8(x) for x in xs]
+    ids = torch.arange(cfg.num_experts, dtype=torch.int32).repeat(TOKENS, 1)
+    w = torch.full((TOKENS, cfg.num_experts), 0.5)
+    dev = comm.device
+    d = comm.dispatch(xs[rank].to(dev), ids.to(dev), w.to(dev))
+    h = cfg.hidden
+    if d.x.dtype != torch.float8_e4m3fn or d.x_scales is None or d.x_scales.shape[-1] != h // 128:
+        return [f"x {d.x.dtype}, x_scales {None if d.x_scales is None else tuple(d.x_scales.shape)}"]
+    torch.cuda.synchronize()
+    x, s = d.x.cpu(), d.x_scales.cpu()
+    problems: list[str] = []
+    if d.layout == "standard":
+        for src in range(world):
+            for t in range(TOKENS):
+                row = src * TOKENS + t
+                want_x, want_s = ref[src][0][t], ref[src][1][t]
+                if _row_bytes(x[row], s[row]) != _row_bytes(want_x, want_s):
+                    problems.append(f"row {row} (rank {src} token {t}): "
+                                    f"{_diff(x[row], s[row], want_x, want_s, xs[src][t])}")
+    else:
+        want = sorted(_row_bytes(ref[src][0][t], ref[src][1][t]) for src in range(world) for t in range(TOKENS))
+        counts = d.expert_num_tokens.cpu()
+        for e in range(x.shape[0]):
+            n = int(counts[e])
+            got = sorted(_row_bytes(x[e, i], s[e, i]) for i in range(n))
+            if got != want:
+                stray = sum(1 for b in got if b not in set(want))
+                problems.append(f"expert {e}: {n} rows, {stray} not among the reference rows (expected {len(want)})")
+    # the experts' outputs of non-finite rows are NaN or inf: combine runs for the call protocol only
+    comm.combine(oracle.run_experts(cfg, rank, world, d).nan_to_num(0.0, 0.0, 0.0), d)
+    torch.cuda.synchronize()
+    return problems[:8]
+
+
+def exact_bytes(backends: tuple[str, ...]) -> dict:
+    """Rank body: ``{backend/layout/dtype/hidden: problems}``."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    results: dict[str, list[str]] = {}
+    seed = 70
+    for backend in backends:
+        for layout in LAYOUTS:
+            for dt_name, dtype in DTYPES.items():
+                for hidden in HIDDENS:
+                    seed += 1
+                    key = f"{backend}/{layout}/{dt_name}/h{hidden}"
+                    kw = dict(zero_copy=True) if layout == "zero_copy" else {}
+                    # every token to every rank: top_k = all experts
+                    cfg = cases.make_cfg(world, backend, "standard" if layout == "zero_copy" else layout, "fp8",
+                                         max_tokens=TOKENS, hidden=hidden, dtype=dtype, num_experts=2 * world,
+                                         top_k=2 * world, **kw)
+                    with ep_comm.Communicator(cfg, device=device) as comm:
+                        if comm.backend != backend:
+                            results[key] = [f"resolved backend {comm.backend}"]
+                            continue
+                        results[key] = _one_call(comm, cfg, world, rank, _rows(world, hidden, dtype, seed))
+    return results
+
+
+_cache: dict = {}
+
+
+def _results(name: str, backend: str, env=None) -> dict:
+    if name not in _cache:
+        if env is None:
+            _cache[name] = cases.merge_ranks(_spawn(exact_bytes, (backend,)))
+        else:
+            from .test_nvshmem import _spawn as spawn_nvshmem
+            _cache[name] = cases.merge_ranks(spawn_nvshmem(exact_bytes, (backend,), env=env))
+    return _cache[name]
+
+
+def _assert_clean(results: dict, case: str) -> None:
+    assert case in results
+    assert results[case] == [], "\n".join(results[case])
+
+
+@pytest.mark.parametrize("case", case_names("mnnvl"))
+def test_mnnvl_fp8_bytes_equal_the_reference(case):
+    _assert_clean(_results("mnnvl", "mnnvl"), case)
+
+
+needs_nvshmem = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")
+
+
+@needs_nvshmem
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", case_names("nvshmem"))
+def test_nvshmem_fp8_bytes_equal_the_reference(case):
+    _assert_clean(_results("nvshmem", "nvshmem", env={}), case)
+
+
+@needs_nvshmem
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", case_names("nvshmem"))
+def test_nvshmem_put_mode_fp8_bytes_equal_the_reference(case):
+    _assert_clean(_results("nvshmem_put", "nvshmem", env=PUT), case)
