@@ -155,6 +155,11 @@ class CollectiveBackend(Backend):
         """Raise the control plane's ``EPTimeoutError`` naming the lost ranks once the own NCCL group
         was aborted: what a collective of it produced since (a kernel cut short) is no result."""
         why = self.ctx.control.nccl_aborted if self._owns_nccl else None
+        if why is None and cause is not None and self._owns_nccl:
+            # NCCL's own error handling may end a collective waiting for a dead peer before the watcher
+            # sees the loss: an error made of its output (e.g. garbage ids) asks the evidence now
+            gone = self.ctx.control.lost_peers()
+            why = "; ".join(f"rank {r} is gone ({w})" for r, w in sorted(gone.items())) or None
         if why is not None:
             lost = self.ctx.control.failure(op, epoch, RuntimeError(f"NCCL data group aborted: {why}"))
             raise lost from cause

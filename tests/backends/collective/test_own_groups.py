@@ -18,6 +18,7 @@ from ep_comm.backends.collective import collectives
 from ep_comm.backends.collective.ag_rs import AllGatherReduceScatterBackend
 from ep_comm.backends.collective.naive import NaiveBackend
 from ep_comm.distributed import groups
+from ep_comm.distributed.control import OP_DISPATCH
 from ep_comm.errors import EPError, EPTimeoutError
 
 WORLD, RANK = 3, 1
@@ -212,6 +213,10 @@ class _Plane:
         self.failures: list = []
         self.aborts: list = []
         self.released: list = []
+        self.gone: dict = {}
+
+    def lost_peers(self) -> dict:
+        return self.gone
 
     def agree_start(self, op, epoch, num_tokens, error=None):
         def wait():
@@ -258,6 +263,27 @@ def test_calls_after_the_nccl_group_was_aborted_raise_the_loss(fake_nccl: FakeNC
     assert [f[2] for f in plane.failures] == [f"NCCL data group aborted: {plane.nccl_aborted}"] * 3
     backend.close()
     assert plane.released == ["data"]
+
+
+@pytest.mark.parametrize("cls", [NaiveBackend, AllGatherReduceScatterBackend])
+@pytest.mark.parametrize("dead", [False, True], ids=["peers_alive", "peer_dead"])
+def test_garbage_from_a_collective_cut_short_is_the_loss(fake_nccl: FakeNCCL, cls, dead: bool) -> None:
+    """NCCL's own error handling ended a collective before the watcher saw the loss: the peers' rows
+    are garbage (here: every peer's header has a nonzero invalid-id count).  A dead peer makes that the typed
+    loss; with every peer alive it is the peers' bad input, as the counts say."""
+    plane = _Plane()
+    plane.gone = {2: "its process 42 has exited"} if dead else {}
+    backend = _backend(cls, fake_nccl, plane)  # offset: peer r's header counts r - RANK more invalid ids
+    x, ids, w = torch.randn(2, 8), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)
+    with pytest.raises(EPError) as err:
+        backend.dispatch(DispatchCall(x, ids, w, None, 0), False)
+    if dead:
+        assert type(err.value) is EPTimeoutError and list(err.value.lost_ranks) == [2], err.value
+        assert plane.failures == [(OP_DISPATCH, 0, "NCCL data group aborted: rank 2 is gone (its process 42 "
+                                                    "has exited)")]
+    else:
+        assert type(err.value) is ep_comm.EPInputError and "invalid input on peer rank(s) [0, 2]" in str(err.value)
+        assert plane.failures == []
 
 
 def test_shrink_aborts_the_old_nccl_group_first(fake_nccl: FakeNCCL, monkeypatch) -> None:

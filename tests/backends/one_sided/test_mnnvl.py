@@ -371,7 +371,7 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispat
             comm.check_errors()
             res["error"] = None
         except ep_comm.EPTimeoutError as exc:
-            res["error"], res["missing"] = str(exc), list(exc.missing_ranks)
+            res["error"], res["missing"], res["lost"] = str(exc), list(exc.missing_ranks), list(exc.lost_ranks)
         res["elapsed"] = time.monotonic() - t0
         try:
             comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
@@ -444,7 +444,11 @@ def test_rank_that_skips_a_call_is_named_by_a_timeout(skipped):
     world = _world()
     for res in results[:-1]:
         assert res["error"] is not None, res
-        assert res["missing"] == [world - 1], res
+        assert f"no signal from rank(s) [{world - 1}]" in res["error"], res
+        # at world > 2 a survivor that timed out first may have closed its end already: then it is named
+        # as gone too, never as a rank that did not signal
+        assert world - 1 in res["missing"], res
+        assert set(res["missing"]) - {world - 1} <= set(res["lost"]), res
         if skipped == "combine":  # what the missing rank did last, not the "done reading" slot it never wrote
             assert f"rank {world - 1} last signalled dispatch #" in res["error"], res
         assert res["elapsed"] < timeout_s + 5, res
