@@ -17,7 +17,7 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases, zero_copy_cases
-from .test_mnnvl import (
+from .kernel_fault_cases import (
     RECREATE_CYCLES,
     bad_input_recovery_worker,
     check_recreated,
