@@ -54,6 +54,16 @@ def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispat
     return res
 
 
+def check_skipper_named(res: dict, world: int) -> None:
+    """A survivor's ``skip_worker`` result names the skipping rank (the last) as the one whose signal
+    never came.  At world > 2 a survivor that timed out first may have closed its end already: then
+    it is named too, as gone (``lost_ranks``), never as a rank that did not signal."""
+    assert res["error"] is not None, res
+    assert f"no signal from rank(s) [{world - 1}]" in res["error"], res
+    assert world - 1 in res["missing"], res
+    assert set(res["missing"]) - {world - 1} <= set(res["lost"]), res
+
+
 def recreate_after_timeout_worker(backend: str, cycles: int) -> dict:
     """``cycles`` times: create a communicator, check one call against the oracle, let the last rank
     skip a dispatch (its peers time out), close on every rank.  Returns what each cycle raised, the
