@@ -29,7 +29,7 @@ from ep_comm.distributed.groups import is_own_nccl
 from ep_comm.distributed.spawn import spawn_local
 
 from .. import cases
-from ..shrink_checks import compare_with_active, shrink_inputs
+from ..shrink_checks import CapturedCall, eager_call
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -44,43 +44,6 @@ SPAWN_TIMEOUT_S = 150.0
 
 def _ngpu() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _eager_call(comm, seed: int) -> list[str]:
-    cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-    inputs = shrink_inputs(cfg, world, seed)
-    mine = inputs[rank].to(comm.device)
-    d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
-    y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
-    comm.check_errors()  # a loss during this call raises here, before the results are compared
-    return compare_with_active(comm, inputs, d, y, f"eager seed {seed}")
-
-
-class _Graph:
-    """dispatch + combine of ``comm`` captured once (fixed T per rank) after an eager warm-up."""
-
-    def __init__(self, comm, seed: int):
-        cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-        self.comm, self.tokens = comm, [cfg.max_tokens_per_rank - r % 3 for r in range(world)]
-        first = shrink_inputs(cfg, world, seed, self.tokens)[rank].to(comm.device)
-        self.x, self.ids, self.w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-        d = comm.dispatch(self.x, self.ids, self.w)  # eager warm-up: NCCL and cuBLAS set up outside the capture
-        comm.combine(cases.graph_experts(cfg, rank, world, d), d)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.d = comm.dispatch(self.x, self.ids, self.w)
-            self.y = comm.combine(cases.graph_experts(cfg, rank, world, self.d), self.d)
-
-    def replay(self, seed: int) -> list[str]:
-        comm = self.comm
-        inputs = shrink_inputs(comm.cfg, comm.world_size, seed, self.tokens)
-        mine = inputs[comm.rank].to(comm.device)
-        self.x.copy_(mine.x), self.ids.copy_(mine.topk_ids), self.w.copy_(mine.topk_weights)
-        self.graph.replay()
-        torch.cuda.synchronize()  # behind a dead peer's kernel this waits until the group is aborted
-        comm.check_errors()
-        return compare_with_active(comm, inputs, self.d, self.y, f"replay seed {seed}")
 
 
 def _die_after_agreeing(comm_index: int, comms: list) -> threading.Event:
@@ -113,7 +76,7 @@ def shrink_worker(mode: str, victim: int, calls: int) -> dict:
              for b in BACKENDS for lay in LAYOUTS]
     report: dict = {"problems": [], "calls": 0, "lost": None, "create_s": time.monotonic() - t0,
                     "own_nccl": [is_own_nccl(c._impl.ctx.group) for c in comms]}
-    graphs = [_Graph(c, 1000 * i) for i, c in enumerate(comms)] if mode == "graph" else []
+    graphs = [CapturedCall(c, 1000 * i) for i, c in enumerate(comms)] if mode == "graph" else []
     armed = _die_after_agreeing(STUCK_COMM, comms) if mode == "stuck" and rank == victim else None
     seed, t_kill = 0, None
     for it in range(10_000):
@@ -129,7 +92,7 @@ def shrink_worker(mode: str, victim: int, calls: int) -> dict:
             for current, comm in enumerate(comms):
                 seed += 1
                 where = f"{comm.backend}/{comm.cfg.layout} {mode} iteration {it}"
-                report["problems"] += graphs[current].replay(seed) if graphs else _eager_call(comm, seed)
+                report["problems"] += graphs[current].replay(seed) if graphs else eager_call(comm, seed)
                 report["calls"] += 1
         except ep_comm.EPTimeoutError as exc:
             report.update(lost=list(exc.lost_ranks), missing=list(exc.missing_ranks), msg=str(exc), where=where,
@@ -158,9 +121,9 @@ def shrink_worker(mode: str, victim: int, calls: int) -> dict:
     for i, comm in enumerate(comms):
         for _ in range(calls):
             seed += 1
-            report["problems"] += _eager_call(comm, seed)
+            report["problems"] += eager_call(comm, seed)
             report["calls"] += 1
-        graph = _Graph(comm, 60_000 + 1000 * i)
+        graph = CapturedCall(comm, 60_000 + 1000 * i)
         for _ in range(calls):
             seed += 1
             report["problems"] += graph.replay(seed)

@@ -14,7 +14,7 @@ from ep_comm import oracle
 from ep_comm.quant import quantize_fp8
 
 from .. import cases
-from .test_mnnvl import _spawn
+from .quant_checks import assert_clean, cached_run, compare_rows
 from .test_nvshmem import PUT, _why_skip
 
 pytestmark = [pytest.mark.gpu]
@@ -51,10 +51,6 @@ def case_names(backend: str) -> list[str]:
     return [f"{backend}/{layout}/{dt}/h{h}" for layout in LAYOUTS for dt in DTYPES for h in HIDDENS]
 
 
-def _row_bytes(x: torch.Tensor, s: torch.Tensor) -> bytes:
-    return x.contiguous().view(torch.uint8).numpy().tobytes() + s.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def _diff(got_x, got_s, want_x, want_s, src_x) -> str:
     """Where a received row first differs from the reference, with its input block."""
     gs, ws = got_s.view(torch.int32), want_s.view(torch.int32)
@@ -78,24 +74,8 @@ def _one_call(comm, cfg, world: int, rank: int, xs: list[torch.Tensor]) -> list[
         return [f"x {d.x.dtype}, x_scales {None if d.x_scales is None else tuple(d.x_scales.shape)}"]
     torch.cuda.synchronize()
     x, s = d.x.cpu(), d.x_scales.cpu()
-    problems: list[str] = []
-    if d.layout == "standard":
-        for src in range(world):
-            for t in range(TOKENS):
-                row = src * TOKENS + t
-                want_x, want_s = ref[src][0][t], ref[src][1][t]
-                if _row_bytes(x[row], s[row]) != _row_bytes(want_x, want_s):
-                    problems.append(f"row {row} (rank {src} token {t}): "
-                                    f"{_diff(x[row], s[row], want_x, want_s, xs[src][t])}")
-    else:
-        want = sorted(_row_bytes(ref[src][0][t], ref[src][1][t]) for src in range(world) for t in range(TOKENS))
-        counts = d.expert_num_tokens.cpu()
-        for e in range(x.shape[0]):
-            n = int(counts[e])
-            got = sorted(_row_bytes(x[e, i], s[e, i]) for i in range(n))
-            if got != want:
-                stray = sum(1 for b in got if b not in set(want))
-                problems.append(f"expert {e}: {n} rows, {stray} not among the reference rows (expected {len(want)})")
+    counts = d.expert_num_tokens.cpu() if d.layout == "batched" else None
+    problems = compare_rows(d.layout, x, s, counts, ref, xs, TOKENS, _diff)
     # the experts' outputs of non-finite rows are NaN or inf: combine runs for the call protocol only
     comm.combine(oracle.run_experts(cfg, rank, world, d).nan_to_num(0.0, 0.0, 0.0), d)
     torch.cuda.synchronize()
@@ -127,27 +107,9 @@ def exact_bytes(backends: tuple[str, ...]) -> dict:
     return results
 
 
-_cache: dict = {}
-
-
-def _results(name: str, backend: str, env=None) -> dict:
-    if name not in _cache:
-        if env is None:
-            _cache[name] = cases.merge_ranks(_spawn(exact_bytes, (backend,)))
-        else:
-            from .test_nvshmem import _spawn as spawn_nvshmem
-            _cache[name] = cases.merge_ranks(spawn_nvshmem(exact_bytes, (backend,), env=env))
-    return _cache[name]
-
-
-def _assert_clean(results: dict, case: str) -> None:
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
-
-
 @pytest.mark.parametrize("case", case_names("mnnvl"))
 def test_mnnvl_fp8_bytes_equal_the_reference(case):
-    _assert_clean(_results("mnnvl", "mnnvl"), case)
+    assert_clean(cached_run("mnnvl", exact_bytes, ("mnnvl",)), case)
 
 
 needs_nvshmem = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")
@@ -157,11 +119,11 @@ needs_nvshmem = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", case_names("nvshmem"))
 def test_nvshmem_fp8_bytes_equal_the_reference(case):
-    _assert_clean(_results("nvshmem", "nvshmem", env={}), case)
+    assert_clean(cached_run("nvshmem", exact_bytes, ("nvshmem",), env={}), case)
 
 
 @needs_nvshmem
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", case_names("nvshmem"))
 def test_nvshmem_put_mode_fp8_bytes_equal_the_reference(case):
-    _assert_clean(_results("nvshmem_put", "nvshmem", env=PUT), case)
+    assert_clean(cached_run("nvshmem_put", exact_bytes, ("nvshmem",), env=PUT), case)

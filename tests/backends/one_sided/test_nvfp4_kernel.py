@@ -17,7 +17,7 @@ from ep_comm import oracle
 from ep_comm.quant_nvfp4 import nvfp4_global_scale, quantize_nvfp4
 
 from .. import cases
-from .test_mnnvl import _spawn
+from .quant_checks import assert_clean, cached_run, compare_rows
 from .test_nvshmem import PUT, _why_skip
 
 pytestmark = [pytest.mark.gpu]
@@ -69,10 +69,6 @@ def _global_scale(name: str, xs: list[torch.Tensor]) -> torch.Tensor:
 def case_names(backend: str) -> list[str]:
     return [f"{backend}/{layout}/{dt}/h{h}/{gs}" for layout in LAYOUTS for dt in DTYPES for h in HIDDENS
             for gs in SCALES]
-
-
-def _row_bytes(x: torch.Tensor, s: torch.Tensor) -> bytes:
-    return x.contiguous().numpy().tobytes() + s.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _diff(got_x, got_s, want_x, want_s, src_x) -> str:
@@ -134,50 +130,16 @@ def _one_call(comm, cfg, world: int, rank: int, xs: list[torch.Tensor], gs_name:
         return problems
     torch.cuda.synchronize()
     x, s = d.x.cpu(), d.x_scales.cpu()
-    if d.layout == "standard":
-        for src in range(world):
-            for t in range(TOKENS):
-                row = src * TOKENS + t
-                want_x, want_s = ref[src][0][t], ref[src][1][t]
-                same_s = torch.equal(s[row].view(torch.uint8), want_s.view(torch.uint8))
-                if not (torch.equal(x[row], want_x) and same_s):
-                    problems.append(f"row {row} (rank {src} token {t}): "
-                                    f"{_diff(x[row], s[row], want_x, want_s, xs[src][t])}")
-    else:
-        want = sorted(_row_bytes(ref[src][0][t], ref[src][1][t]) for src in range(world) for t in range(TOKENS))
-        counts = d.expert_num_tokens.cpu()
-        for e in range(x.shape[0]):
-            n = int(counts[e])
-            got = sorted(_row_bytes(x[e, i], s[e, i]) for i in range(n))
-            if got != want:
-                stray = sum(1 for b in got if b not in set(want))
-                problems.append(f"expert {e}: {n} rows, {stray} not among the reference rows (expected {len(want)})")
+    counts = d.expert_num_tokens.cpu() if d.layout == "batched" else None
+    problems = compare_rows(d.layout, x, s, counts, ref, xs, TOKENS, _diff)
     comm.combine(oracle.run_experts(cfg, rank, world, d), d)
     torch.cuda.synchronize()
     return problems[:8]
 
 
-_cache: dict = {}
-
-
-def _results(name: str, fn, *args, env=None):
-    if name not in _cache:
-        if env is None:
-            _cache[name] = cases.merge_ranks(_spawn(fn, *args))
-        else:
-            from .test_nvshmem import _spawn as spawn_nvshmem
-            _cache[name] = cases.merge_ranks(spawn_nvshmem(fn, *args, env=env))
-    return _cache[name]
-
-
-def _assert_clean(results: dict, case: str) -> None:
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
-
-
 @pytest.mark.parametrize("case", case_names("mnnvl"))
 def test_mnnvl_bytes_equal_the_reference(case):
-    _assert_clean(_results("mnnvl", exact_bytes, ("mnnvl",)), case)
+    assert_clean(cached_run("mnnvl", exact_bytes, ("mnnvl",)), case)
 
 
 needs_nvshmem = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")
@@ -187,14 +149,14 @@ needs_nvshmem = pytest.mark.skipif(bool(_why_skip()), reason=_why_skip() or "-")
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", case_names("nvshmem"))
 def test_nvshmem_bytes_equal_the_reference(case):
-    _assert_clean(_results("nvshmem", exact_bytes, ("nvshmem",), env={}), case)
+    assert_clean(cached_run("nvshmem", exact_bytes, ("nvshmem",), env={}), case)
 
 
 @needs_nvshmem
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", case_names("nvshmem"))
 def test_nvshmem_put_mode_bytes_equal_the_reference(case):
-    _assert_clean(_results("nvshmem_put", exact_bytes, ("nvshmem",), env=PUT), case)
+    assert_clean(cached_run("nvshmem_put", exact_bytes, ("nvshmem",), env=PUT), case)
 
 
 def graph_nvfp4(backend: str) -> dict:
@@ -203,11 +165,11 @@ def graph_nvfp4(backend: str) -> dict:
 
 @pytest.mark.parametrize("layout", ("standard", "batched"))
 def test_mnnvl_nvfp4_cuda_graph(layout):
-    _assert_clean(_results("mnnvl_graph", graph_nvfp4, "mnnvl"), f"mnnvl/{layout}/nvfp4")
+    assert_clean(cached_run("mnnvl_graph", graph_nvfp4, "mnnvl"), f"mnnvl/{layout}/nvfp4")
 
 
 @needs_nvshmem
 @pytest.mark.multigpu
 @pytest.mark.parametrize("layout", ("standard", "batched"))
 def test_nvshmem_nvfp4_cuda_graph(layout):
-    _assert_clean(_results("nvshmem_graph", graph_nvfp4, "nvshmem", env={}), f"nvshmem/{layout}/nvfp4")
+    assert_clean(cached_run("nvshmem_graph", graph_nvfp4, "nvshmem", env={}), f"nvshmem/{layout}/nvfp4")

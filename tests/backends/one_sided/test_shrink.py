@@ -20,7 +20,7 @@ import ep_comm
 from ep_comm.distributed.spawn import spawn_local
 
 from .. import cases
-from ..shrink_checks import compare_with_active, shrink_inputs
+from ..shrink_checks import CapturedCall, eager_call
 from .test_nvshmem import _why_skip as _why_no_nvshmem
 
 pytestmark = [pytest.mark.gpu]
@@ -34,39 +34,10 @@ def _ngpu() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _eager_call(comm, seed: int) -> list[str]:
-    cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-    inputs = shrink_inputs(cfg, world, seed)
-    mine = inputs[rank].to(comm.device)
-    d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
-    y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
-    comm.check_errors()  # a loss during this call raises here, before the results are compared
-    return compare_with_active(comm, inputs, d, y, f"eager seed {seed}")
-
-
 def _graph_calls(comm, seed: int, replays: int) -> list[str]:
     """Capture dispatch + combine once, replay with fresh inputs (fixed T per rank), compare each."""
-    cfg, rank, world = comm.cfg, comm.rank, comm.world_size
-    tokens = [cfg.max_tokens_per_rank - r % 3 for r in range(world)]
-    first = shrink_inputs(cfg, world, seed, tokens)[rank].to(comm.device)
-    x_s, ids_s, w_s = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-    d = comm.dispatch(x_s, ids_s, w_s)  # eager warm-up outside the capture
-    comm.combine(cases.graph_experts(cfg, rank, world, d), d)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        d_s = comm.dispatch(x_s, ids_s, w_s)
-        y_s = comm.combine(cases.graph_experts(cfg, rank, world, d_s), d_s)
-    problems: list[str] = []
-    for rep in range(replays):
-        inputs = shrink_inputs(cfg, world, seed + 1 + rep, tokens)
-        mine = inputs[rank].to(comm.device)
-        x_s.copy_(mine.x), ids_s.copy_(mine.topk_ids), w_s.copy_(mine.topk_weights)
-        graph.replay()
-        torch.cuda.synchronize()
-        problems += compare_with_active(comm, inputs, d_s, y_s, f"replay {rep}")
-    comm.check_errors()
-    return problems
+    graph = CapturedCall(comm, seed)
+    return [p for rep in range(replays) for p in graph.replay(seed + 1 + rep)]
 
 
 def shrink_worker(backend: str, victim: int, calls: int) -> dict:
@@ -87,7 +58,7 @@ def shrink_worker(backend: str, victim: int, calls: int) -> dict:
                 threading.Timer(0.02 * torch.rand(()).item(), os.kill, (os.getpid(), signal.SIGKILL)).start()
         try:
             seed += 1
-            report["problems"] += _eager_call(comms[0], seed)
+            report["problems"] += eager_call(comms[0], seed)
             report["calls"] += 1
         except ep_comm.EPTimeoutError as exc:
             report.update(lost=list(exc.lost_ranks), missing=list(exc.missing_ranks), msg=str(exc),
@@ -104,7 +75,7 @@ def shrink_worker(backend: str, victim: int, calls: int) -> dict:
     for comm in comms:
         for _ in range(calls):
             seed += 1
-            report["problems"] += _eager_call(comm, seed)
+            report["problems"] += eager_call(comm, seed)
             report["calls"] += 1
         seed += 1000
         report["problems"] += _graph_calls(comm, seed, calls)
