@@ -240,7 +240,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
             with phases("peer"):
                 peer_rows = peers.run(tokens, sets, gate, mean_remote)
             for r in peer_rows:
-                r.update(base, ratio=round(r["p50_us"] / base_p50, 3) if base_p50 > 0 else None)
+                r.update(base, ratio=_sig(r["p50_us"] / base_p50) if base_p50 > 0 else None)
             report.peer_rows(peer_rows)
         for name, layout in runnable:
             done += 1
@@ -304,7 +304,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     "top_k": args.topk, "experts": args.experts, "dtype": args.dtype,
                     "p50_us": round(p50, 3), "p90_us": round(p90, 3),
                     "gbps": _sig(mean_remote * per_token / (p50 * 1e-6) / 1e9) if p50 > 0 and per_token else None,
-                    "sms": sms, **base, "ratio": round(p50 / base_p50, 3) if base_p50 > 0 else None,
+                    "sms": sms, **base, "ratio": _sig(p50 / base_p50) if base_p50 > 0 else None,
                     "mode": args.mode, "routing": args.routing, "quant": args.quant, "world_size": world,
                     "phase_s": row_phases,
                     "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
@@ -371,11 +371,12 @@ def _add_peer_columns(rows: list[dict], peer_rows: list[dict], fp8: bool) -> Non
         p = match_peer(r, peer_rows, fp8)
         r["peer"] = None if p is None else f"deepep {p['peer_variant']}"
         r["peer_p50_us"] = None if p is None else p["p50_us"]
-        r["vs_peer"] = round(r["p50_us"] / p["p50_us"], 3) if p is not None and p["p50_us"] > 0 else None
+        r["vs_peer"] = _sig(r["p50_us"] / p["p50_us"]) if p is not None and p["p50_us"] > 0 else None
 
 
 def _sig(value: float, digits: int = 4) -> float:
-    """Round to significant digits (CPU bandwidths are tiny; fixed decimals would print 0)."""
+    """Round to significant digits (CPU bandwidths and the ratios of short halves are tiny; fixed
+    decimals would store 0)."""
     return float(f"{value:.{digits}g}")
 
 
