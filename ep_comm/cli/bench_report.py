@@ -29,6 +29,17 @@ def device_name(env: RankEnv) -> str:
     return f"cpu ({platform.machine() or 'unknown'}, gloo)"
 
 
+#: prefixes of the environment variables a result depends on: ep_comm's switches (kernel forms, SMs), NCCL's
+#: and NVSHMEM's (the baseline and the nvshmem backend) and torch's symmetric memory
+SETTINGS_PREFIXES = ("EP_COMM_", "NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")
+
+
+def settings_environment() -> dict[str, str]:
+    """The variables of SETTINGS_PREFIXES set in this process (rank 0's), sorted by name: what an A/B of
+    a switch ($EP_COMM_COMBINE_GROUPED, say) changed, recorded with its numbers."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k.startswith(SETTINGS_PREFIXES)}
+
+
 def git_commit() -> tuple[str, Optional[bool]]:
     """Commit of the checkout ep_comm runs from (and whether tracked files differ from it).
     ``EP_COMM_GIT_COMMIT``, when set, is taken as given (dirty unknown): a copy of a tree whose git
@@ -115,6 +126,7 @@ class Reporter:
                                  if args.mode == "eager" and env.device.type == "cuda" else None),
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
+                "environment": settings_environment(),
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
             }
 

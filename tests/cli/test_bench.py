@@ -40,7 +40,8 @@ def bench_run(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     plot = ["--plot", str(out / "r.png")] if HAS_MATPLOTLIB else []
     proc = cli(["bench", "--nproc", "2", "--tokens", "8", "16", *SHAPE, "--iters", "4", "--warmup", "1",
-                "--sets", "2", "--json", str(out / "r.json"), *plot, "--phase-times"], timeout=240, **CPU_RANKS)
+                "--sets", "2", "--json", str(out / "r.json"), *plot, "--phase-times"], timeout=240, **CPU_RANKS,
+               EP_COMM_COMBINE_GROUPED="0")
     return proc, out
 
 
@@ -79,6 +80,9 @@ def test_bench_json_matches_design_schema(bench_run):
         assert 0 < r["host_p50_us"]  # eager: the host's own time per call (a table column on GPUs only)
         assert r["agreement"] in ("shared memory", "gloo")  # two ranks of one host
     assert doc["complete"] is True and doc["eager_launch"] is None  # CPU ranks: no GPU to queue behind
+    # the switches the numbers ran under (a kernel-form switch set for this run among them)
+    assert doc["environment"]["EP_COMM_COMBINE_GROUPED"] == "0"
+    assert all(k.startswith(("EP_COMM_", "NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")) for k in doc["environment"])
     for phase in ("spawn", "init", "inputs", "baseline", "create", "check", "warmup", "timing"):
         assert doc["phase_times_s"][phase] >= 0, phase
 
