@@ -15,7 +15,10 @@ layout that runs:
 3. dispatch and combine are timed separately, after ``--warmup`` untimed pairs, over ``--sets`` run
    sets with fresh random routing each.  Ranks are lined up on the host before every timed pair.
    CUDA events on GPUs, ``perf_counter`` on CPUs.
-4. with ``--recv-hook``, on backends with receive hooks (``recv_hooks``), the split calls
+4. with ``--env NAME=V1,V2,...``, steps 1-3 run once per value of the ep_comm variable NAME (set on
+   every rank before the communicator is created, so the variants of a switch share the run, its
+   inputs and its baseline);
+5. with ``--recv-hook``, on backends with receive hooks (``recv_hooks``), the split calls
    (``return_recv_hook=True``) are checked against the oracle too (before any timing), then each
    half (``dispatch_send``, ``dispatch_recv``, ``combine_send``, ``combine_recv``) is timed the same
    way; other backends are skipped with one progress line.
@@ -125,6 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also check and time each half of split calls (return_recv_hook=True): dispatch_send, "
                         "dispatch_recv, combine_send, combine_recv rows, on backends with receive hooks (mnnvl); "
                         "other backends are skipped with one line")
+    p.add_argument("--env", metavar="NAME=V1,V2,...",
+                   help="time every backend and layout once per value of the ep_comm environment variable NAME "
+                        "(an EP_COMM_* switch read when a communicator is created, e.g. "
+                        "EP_COMM_COMBINE_GROUPED=0,1,split); '-' leaves it unset; values may repeat, to alternate "
+                        "them; the rows name their value (column 'variant', JSON 'variant')")
     p.add_argument("--phase-times", action="store_true",
                    help="print the wall time of each phase (spawn, init, create, check, capture, warmup, timing, "
                         "baseline, peer) per row and in total to stderr; the JSON always has them")
@@ -147,6 +155,9 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     if args.warmup < 0:
         return "--warmup must be >= 0"
     args.sets = min(args.sets, args.iters)  # every set gets at least one timed pair
+    problem = _parse_env_variants(args)
+    if problem:
+        return problem
     if args.plot:
         problem = matplotlib_problem()
         if problem:
@@ -160,6 +171,53 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     except EPConfigError as exc:
         return str(exc)
     return None
+
+
+#: how many values --env may list
+MAX_VARIANTS = 16
+
+
+def _parse_env_variants(args: argparse.Namespace) -> Optional[str]:
+    """``--env NAME=V1,V2`` into ``args.env_name`` and ``args.env_values`` (None: unset); without it
+    ``env_name`` is None and the one "variant" is whatever the environment holds."""
+    args.env_name, args.env_values = None, [None]
+    spec = getattr(args, "env", None)
+    if spec is None:
+        return None
+    name, sep, values = spec.partition("=")
+    if not sep or not name.startswith("EP_COMM_") or not values:
+        return f"--env expects NAME=V1,V2,... with an EP_COMM_* variable, got {spec!r}"
+    listed = values.split(",")
+    if not all(listed) or len(listed) > MAX_VARIANTS:
+        return f"--env {spec!r}: 1 to {MAX_VARIANTS} non-empty values, comma separated ('-': unset)"
+    args.env_name, args.env_values = name, [None if v == "-" else v for v in listed]
+    return None
+
+
+class _Variant:
+    """``with _Variant(name, value)``: the variable set to ``value`` (None: unset) on this rank while a
+    communicator is created, then as it was."""
+
+    def __init__(self, name: Optional[str], value: Optional[str]):
+        self.name, self.value = name, value
+        self.before: Optional[str] = None
+
+    def __enter__(self) -> None:
+        if self.name is None:
+            return
+        self.before = os.environ.get(self.name)
+        if self.value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.value
+
+    def __exit__(self, *exc) -> None:
+        if self.name is None:
+            return
+        if self.before is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.before
 
 
 # -- the worker -------------------------------------------------------------------------------------------
@@ -221,7 +279,8 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
         runnable, failures = _runnable(env, args, names, layouts, explicit, report)
     report.start()
     gate = OracleGate(env, args)
-    total = len(args.tokens) * len(runnable)
+    variants = [(config, value) for config in runnable for value in args.env_values]
+    total = len(args.tokens) * len(variants)
     done, timed_rows = 0, 0
     not_created: set[str] = set()  # backends already named in a "could not be created" note
     no_hooks: set[str] = set()  # backends already named in a "hooks skipped" line
@@ -242,18 +301,19 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
             for r in peer_rows:
                 r.update(base, ratio=_sig(r["p50_us"] / base_p50) if base_p50 > 0 else None)
             report.peer_rows(peer_rows)
-        for name, layout in runnable:
+        for (name, layout), variant in variants:
             done += 1
-            progress(f"{tokens} tok: {name}/{layout} ({done}/{total}): create, oracle check, {args.mode} timing")
+            which = "" if args.env_name is None else f" ${args.env_name}={variant or '(unset)'}"
+            progress(f"{tokens} tok: {name}/{layout}{which} ({done}/{total}): create, oracle check, {args.mode} timing")
             cfg = bench_config(args, tokens, layout, name)
             try:
-                with phases("create"):
+                with phases("create"), _Variant(args.env_name, variant):
                     comm = Communicator(cfg)
             except (EPTopologyError, EPConfigError) as exc:  # raised alike on every rank
                 # every rank could run it, yet creating it failed (NVSHMEM could not start, say)
                 if explicit:
                     failures += 1
-                    report.failure(name, layout, tokens, [f"cannot create: {exc}"], stage="creation")
+                    report.failure(name, layout, tokens, [f"cannot create: {exc}"], stage="creation", variant=variant)
                 elif name not in not_created:
                     not_created.add(name)
                     report.note(f"note: {name}: skipped, could not be created ({exc})")
@@ -287,7 +347,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     comm.close()
             if problems or timed is None:
                 failures += 1
-                report.failure(resolved, layout, tokens, problems)
+                report.failure(resolved, layout, tokens, problems, variant=variant)
                 continue
             ops = ("dispatch", "combine") + (HALF_OPS if halves is not None else ())
             host = timed[2:]  # eager: host µs per dispatch / combine call
@@ -309,6 +369,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
                     "phase_s": row_phases,
                     "combine_pull": pulls,  # the communicator's combine reads expert outputs in place
                     "input_in_place": in_place,  # dispatch read x from the communicator's buffer
+                    "variant": variant,  # --env: the variable's value this row ran with (None: unset / no --env)
                 })
                 if host:  # eager: the host's own time per whole call, max over ranks of its p50
                     rows[-1]["host_p50_us"] = (round(max(s[0][len(ops) + i][0] for s in stats), 3)

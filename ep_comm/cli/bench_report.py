@@ -68,16 +68,20 @@ def _num(fmt: str) -> Callable[[Any], str]:
 Column = tuple[str, int, bool, str, Callable[[Any], str]]
 
 
-def table_columns(gpu: bool, mode: str, recv_hook: bool, with_peer: bool, baseline_backend: str) -> list[Column]:
+def table_columns(gpu: bool, mode: str, recv_hook: bool, with_peer: bool, baseline_backend: str,
+                  variants: bool = False) -> list[Column]:
     """The table's columns.  GPU-only ones appear on GPU ranks only: ``GB/s`` (the bandwidth a GPU
     transport reaches; over gloo it measures the host's copies), ``SMs`` (what a kernel backend
     occupies) and, in eager mode, ``host_us`` (the host's own time per call, which on CPUs already is
-    the p50).  The JSON keeps every key either way.
+    the p50).  The JSON keeps every key either way.  ``variants`` (``--env``): a column of the
+    variable's value each row ran with.
 
     Widths fit the usual values; a wider value shifts its line instead of delaying the table.
     """
     cols: list[Column] = [
-        ("backend", 7, False, "backend", str), ("layout", 10 if with_peer else 8, False, "layout", str),
+        ("backend", 7, False, "backend", str),
+        *([("variant", 8, False, "variant", lambda v: "unset" if v is None else str(v))] if variants else []),
+        ("layout", 10 if with_peer else 8, False, "layout", str),
         ("op", 13 if recv_hook else 8, False, "op", str),  # 13 fits the halves' names ("dispatch_send")
         ("tokens", 6, True, "tokens", str), ("p50_us", 8, True, "p50_us", _num(".1f")),
         ("p90_us", 8, True, "p90_us", _num(".1f")),
@@ -104,7 +108,9 @@ class Reporter:
         self.args = args
         self.on_write = on_write  # tests: called with the document after every rewrite
         recv_hook = bool(getattr(args, "recv_hook", False))
-        self.columns = table_columns(env.device.type == "cuda", args.mode, recv_hook, with_peer, baseline_backend)
+        variant_of = getattr(args, "env_name", None)
+        self.columns = table_columns(env.device.type == "cuda", args.mode, recv_hook, with_peer, baseline_backend,
+                                     variants=variant_of is not None)
         self.results: list[dict] = []
         self.peers: list[dict] = []
         self.failures: list[dict] = []
@@ -127,6 +133,8 @@ class Reporter:
                 "iters": args.iters, "warmup": args.warmup, "sets": args.sets, "baseline_backend": baseline_backend,
                 "torch": torch.__version__, "launcher": env.launcher, "failures": self.failures,
                 "environment": settings_environment(),
+                # --env: every row's "variant" is this variable's value for it (None: unset)
+                "variant_of": variant_of,
                 "peers": self.peers, "notes": self.notes, "phase_times_s": {}, "complete": False,
             }
 
@@ -171,13 +179,16 @@ class Reporter:
         self._write()
         self._print_rows(rows)
 
-    def failure(self, backend: str, layout: str, tokens: int, problems: list[str], stage: str = "oracle check") -> None:
+    def failure(self, backend: str, layout: str, tokens: int, problems: list[str], stage: str = "oracle check",
+                variant: Optional[str] = None) -> None:
         """A config that failed at ``stage`` (its oracle check, or its creation) and was not timed."""
         if not self.active:
             return
-        self.failures.append({"backend": backend, "layout": layout, "tokens": tokens, "problems": problems})
+        self.failures.append({"backend": backend, "layout": layout, "tokens": tokens, "problems": problems,
+                              "variant": variant})
         self._write()
-        print(f"FAILED {stage}: backend {backend}, layout {layout}, tokens {tokens}; not timed", flush=True)
+        which = "" if self.doc.get("variant_of") is None else f", ${self.doc['variant_of']}={variant or '(unset)'}"
+        print(f"FAILED {stage}: backend {backend}, layout {layout}, tokens {tokens}{which}; not timed", flush=True)
         for p in problems[:10]:
             print(f"  {p}", flush=True)
 
@@ -187,7 +198,7 @@ class Reporter:
         if not self.active:
             return
         self.failures.append({"backend": backend, "layout": None, "tokens": None,
-                              "problems": [f"cannot run on every rank here: {reason}"]})
+                              "problems": [f"cannot run on every rank here: {reason}"], "variant": None})
         self._write()
         print(f"FAILED: backend {backend} cannot run on every rank here ({reason}); not timed", flush=True)
 

@@ -221,11 +221,36 @@ def test_bench_refuses_to_time_a_wrong_backend(cli):
     (["--backend", "nosuch"], "unknown backend 'nosuch'"),
     (["--tokens", "0"], "--tokens must be >= 1"),
     (["--quant", "fp8", "--hidden", "100"], "hidden"),
+    (["--env", "NCCL_ALGO=Ring"], "--env expects NAME=V1,V2,... with an EP_COMM_* variable"),
+    (["--env", "EP_COMM_COMBINE_GROUPED"], "--env expects NAME=V1,V2"),
+    (["--env", "EP_COMM_COMBINE_GROUPED=0,,1"], "non-empty values"),
 ])
 def test_bench_argument_errors_exit_2_without_spawning(cli, argv, message):
     proc = cli(["bench", *argv], timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_bench_env_variants_share_one_run_and_name_their_rows(cli, tmp_path):
+    """--env: each value gets its own communicator, oracle check and rows in the same run (one baseline,
+    the same inputs); a value the communicator refuses fails alone."""
+    path = tmp_path / "v.json"
+    proc = cli(["bench", "--nproc", "2", "--tokens", "8", *SHAPE, "--iters", "2", "--warmup", "0", "--sets", "1",
+                "--backend", "naive", "--layout", "standard", "--env", "EP_COMM_COMBINE_GROUPED=-,0,bogus",
+                "--json", str(path)], timeout=180, **CPU_RANKS)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the config of "bogus" failed
+    doc = json.loads(path.read_text())
+    assert doc["variant_of"] == "EP_COMM_COMBINE_GROUPED"
+    assert [(r["variant"], r["op"]) for r in doc["results"]] == [(None, "dispatch"), (None, "combine"),
+                                                                 ("0", "dispatch"), ("0", "combine")]
+    assert len({r["baseline_nccl_us"] for r in doc["results"]}) == 1  # one baseline for every value
+    assert [(f["variant"], f["problems"][0][:15]) for f in doc["failures"]] == [("bogus", "cannot create: ")]
+    assert "EP_COMM_COMBINE_GROUPED" in doc["failures"][0]["problems"][0]
+    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("backend"))
+    assert header.split()[:3] == ["backend", "variant", "layout"]
+    assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("naive")] == ["unset"] * 2 + ["0"] * 2
+    assert "$EP_COMM_COMBINE_GROUPED=bogus; not timed" in proc.stdout
+    assert "$EP_COMM_COMBINE_GROUPED=(unset) (1/3)" in proc.stderr  # progress names the value
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
