@@ -36,11 +36,12 @@ processes on the same inputs (see ``ep_comm.cli.peers``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import traceback
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -194,30 +195,22 @@ def _parse_env_variants(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-class _Variant:
-    """``with _Variant(name, value)``: the variable set to ``value`` (None: unset) on this rank while a
-    communicator is created, then as it was."""
-
-    def __init__(self, name: Optional[str], value: Optional[str]):
-        self.name, self.value = name, value
-        self.before: Optional[str] = None
-
-    def __enter__(self) -> None:
-        if self.name is None:
-            return
-        self.before = os.environ.get(self.name)
-        if self.value is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.value
-
-    def __exit__(self, *exc) -> None:
-        if self.name is None:
-            return
-        if self.before is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.before
+@contextlib.contextmanager
+def _variant(name: Optional[str], value: Optional[str]) -> Iterator[None]:
+    """The variable ``name`` set to ``value`` (None: unset) on this rank inside the block (a
+    communicator's creation, where the switches are read), then as it was; nothing without ``--env``."""
+    if name is None:
+        yield
+        return
+    before = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
 
 
 # -- the worker -------------------------------------------------------------------------------------------
@@ -307,7 +300,7 @@ def _bench(env: RankEnv, args: argparse.Namespace, phases: Phases) -> int:
             progress(f"{tokens} tok: {name}/{layout}{which} ({done}/{total}): create, oracle check, {args.mode} timing")
             cfg = bench_config(args, tokens, layout, name)
             try:
-                with phases("create"), _Variant(args.env_name, variant):
+                with phases("create"), _variant(args.env_name, variant):
                     comm = Communicator(cfg)
             except (EPTopologyError, EPConfigError) as exc:  # raised alike on every rank
                 # every rank could run it, yet creating it failed (NVSHMEM could not start, say)
