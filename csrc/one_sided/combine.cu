@@ -359,7 +359,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
   // the partials of this rank's own tokens are summed straight from expert_out when receiving
   const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
-  for (int64_t item = gwarp; item < peer_items; item += nwarps) {
+  const WorkQueue work{p.c.counters + kStateCombineWork, code, nwarps, peer_items};
+  open_work(work);
+  for (int64_t item = gwarp; item < peer_items; item = next_work(work, lane, deadline, err)) {
     const int64_t q = item / p.chunks;
     const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
     send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),

@@ -329,7 +329,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
   // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
   const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
-  for (int64_t item = gwarp; item < items; item += nwarps) {
+  const WorkQueue work{p.c.counters + kStateDispatchWork, code, nwarps, items};
+  open_work(work);
+  for (int64_t item = gwarp; item < items; item = next_work(work, lane, deadline, err)) {
     const int t = static_cast<int>(item / p.chunks);
     const int chunk = static_cast<int>(item % p.chunks);
     const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);

@@ -75,6 +75,47 @@ __device__ __forceinline__ CallId current_call(const Common& c, uint32_t op, int
   return CallId{seq, make_code(seq, op), static_cast<int>(seq & 1)};
 }
 
+// ---- send items handed out as warps ask ---------------------------------------------------------
+// Every warp takes one item of the first round (item = its global warp index); later items go to
+// whichever warp asks first.  SMs do not drain their NVLink stores at one rate: with a fixed stride the
+// blocks of a 4096-token dispatch finished sending up to 200 µs apart, the early ones then idle while
+// the link still has room (docs/performance.md).  The queue word holds the call's code in its high 32
+// bits and the next ticket in its low 32: block 0 opens it at the launch's start, and a warp asks only
+// once it sees its own call's code there, so nothing is reset between calls and a call that gave up
+// leaves nothing behind for the next.
+struct WorkQueue {
+  unsigned long long* word;
+  uint32_t code;
+  int64_t first;  // items below this are the first round's (one per warp)
+  int64_t end;
+};
+
+// Block 0, before its warps' first items: the queue of this call starts at ticket 0.  Only needed when
+// there are more items than warps (no warp asks otherwise).
+__device__ __forceinline__ void open_work(const WorkQueue& q) {
+  if (q.end > q.first && blockIdx.x == 0 && threadIdx.x == 0)
+    atomicExch(q.word, static_cast<unsigned long long>(q.code) << 32);
+}
+
+// The warp's next item after one it finished (q.end when none is left); every lane gets the same.
+__device__ __forceinline__ int64_t next_work(const WorkQueue& q, int lane, uint64_t deadline_ns, const ErrorSink& err) {
+  if (q.end <= q.first) return q.end;
+  int64_t item = q.end;
+  if (lane == 0) {
+    uint32_t spins = 0;
+    bool open = true;
+    while (static_cast<uint32_t>(ld_acquire_gpu(q.word) >> 32) != q.code) {
+      if ((++spins & 255u) == 0 && global_timer_ns() > deadline_ns) {  // block 0 never ran: not all resident
+        err.count(kStatusLocalStall, 1);
+        open = false;
+        break;
+      }
+    }
+    if (open) item = min(q.end, q.first + static_cast<int64_t>(atomicAdd(q.word, 1ull) & 0xffffffffull));
+  }
+  return __shfl_sync(kFull, item, 0);
+}
+
 __device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
 
 // Phase stamp of this block when tracing is on (EP_COMM_TRACE=1); with ``sync`` the whole block

@@ -30,7 +30,9 @@ class State(enum.IntEnum):
     SEQ = 0  # this communicator's kernel call number, advanced on the device (graph replays too)
     ARRIVE = 1  # grid-wide arrival counter
     VERDICT = 2  # the last input verdict: nonzero when some rank's input was bad (Phase.CHECKED skips)
-    COUNTERS = 3  # number of counters: the int32 error record starts here
+    DISPATCH_WORK = 3  # the dispatch's send items handed out as warps ask: call code << 32 | next ticket
+    COMBINE_WORK = 4  # the same for the combine's sends
+    COUNTERS = 5  # number of counters: the int32 error record starts here
 
 
 @enum.unique
