@@ -89,6 +89,34 @@ def test_recv_hooks_under_cuda_graphs(case):
     _assert_clean(case, "hooks_graph", cases.graph_capture, ("mnnvl",), ("standard", "batched"), 3, True)
 
 
+# -- send items handed out as warps ask: on 2 SMs (32 warps) and up to 64 tokens per rank most send items
+# (dispatch pieces, push-combine partials) are taken from the queue rather than the first round, and every
+# call (every graph replay too) opens it again under its own code
+QUEUE_SMS, QUEUE_TOKENS = 2, 64
+QUEUE_MATRIX = [f"mnnvl/{layout}/{p}/{s}" for layout in ("standard", "batched") for p in cases.PAYLOADS
+                for s in cases.scenarios(2, QUEUE_TOKENS)]
+
+
+def queue_matrix(hooks: bool) -> dict:
+    return cases.backend_matrix(("mnnvl",), ("standard", "batched"), 2, hooks, max_tokens=QUEUE_TOKENS,
+                                num_sms=QUEUE_SMS)
+
+
+def queue_graph() -> dict:
+    return cases.graph_capture(("mnnvl",), replays=4, max_tokens=QUEUE_TOKENS, num_sms=QUEUE_SMS)
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "recv_hooks"])
+@pytest.mark.parametrize("case", QUEUE_MATRIX)
+def test_send_items_taken_from_the_queue_match_oracle(case, hooks):
+    _assert_clean(case, f"queue_{hooks}", queue_matrix, hooks)
+
+
+@pytest.mark.parametrize("case", GRAPH)
+def test_send_items_taken_from_the_queue_under_cuda_graphs(case):
+    _assert_clean(case, "queue_graph", queue_graph)
+
+
 # -- zero copy (standard layout): rows are views of the receive buffer ----------------------------------------
 ZERO_COPY = zero_copy_cases.zero_copy_case_names("mnnvl")
 
