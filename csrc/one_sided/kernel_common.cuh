@@ -81,8 +81,8 @@ __device__ __forceinline__ CallId current_call(const Common& c, uint32_t op, int
 // blocks of a 4096-token dispatch finished sending up to 200 µs apart, the early ones then idle while
 // the link still has room (docs/performance.md).  The queue word holds the call's code in its high 32
 // bits and the next ticket in its low 32: block 0 opens it at the launch's start, and a warp asks only
-// once it sees its own call's code there, so nothing is reset between calls and a call that gave up
-// leaves nothing behind for the next.
+// once it sees its own call's code there, so nothing is reset between calls (until the opening the
+// word holds an earlier call's code).
 struct WorkQueue {
   unsigned long long* word;
   uint32_t code;
