@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
   __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
-  extern __shared__ int s_prefix[];  // [2 * num_local]: slot base per expert, this source's counts
+  extern __shared__ int s_prefix[];  // receive: [world] token counts, [world][num_local] counts and slot bases
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
 
@@ -455,97 +455,107 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (!(p.phases & kPhaseReceive)) return;
   }  // send half
 
-  // ---- receive: sources in the order own, rank+1, rank+2, ...; a source's rows of expert e take the
-  // slots after every earlier source's (prefix of the published counts)
-  __shared__ uint64_t s_flag;
-  int* const s_base = s_prefix;
-  int* const s_count = s_prefix + nl;
-  for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] = 0;
+  // ---- receive: every source's flag first (peers signal once their sends are done, so the flags land
+  // together), then one pass over all sources' rows: a decode-sized call pays one row's latency chain
+  // for all sources instead of one per source.  Sources in the order own, rank+1, rank+2, ...: a
+  // source's rows of expert e take the slots after every earlier source's (prefix of the published
+  // counts).
+  int* const s_tokens = s_prefix;               // [world] rows each source sent (-1: its flag never came)
+  int* const s_count = s_prefix + L.world;      // [world][nl] rows each source sent to each local expert
+  int* const s_base = s_count + L.world * nl;   // [world][nl] first slot of each source's rows of expert e
   uint8_t* const own_buf = peer_ptr(p.c, L.rank);
   const int32_t* const counts = reinterpret_cast<const int32_t*>(own_buf + L.counts_offset[parity]);
-  for (int i = 0; i < L.world; ++i) {
+  for (int i = threadIdx.x; i < L.world; i += blockDim.x) {  // one thread per source: the waits overlap
     const int src = (L.rank + i) % L.world;
-    if (threadIdx.x == 0) {
-      const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
-      uint64_t v = peer_active(L, src) ? wait_flag(flag, code, src, deadline, err) : 0;  // a rank that left: no rows
-      if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
-        if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
-        v = 0;
-      }
-      s_flag = v;
+    const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
+    uint64_t v = peer_active(L, src) ? wait_flag(flag, code, src, deadline, err) : 0;  // a rank that left: no rows
+    if (v != 0 && static_cast<int64_t>(v >> 32) > L.max_tokens) {
+      if (blockIdx.x == 0) err.count(kStatusOverflow, 1);
+      v = 0;
     }
-    __syncthreads();
-    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i);
-    const bool arrived = s_flag != 0;
-    const int src_tokens = static_cast<int>(s_flag >> 32);
-    for (int e = threadIdx.x; e < nl; e += blockDim.x)
-      s_count[e] = arrived && L.batched ? __ldcg(counts + static_cast<int64_t>(src) * nl + e) : 0;
-    __syncthreads();
-    if (src == L.rank) {  // rows below T were laid out while sending; the rest are padding
-      for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
-        place_row(p, static_cast<int64_t>(src) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
-    } else if (L.zero_copy && !L.batched) {
-      // the payload stays where it landed: only the ids and weights of each row, one row per lane (a
-      // warp per row would wait out a dependent header -> meta -> store chain for every row); row t
-      // goes to warp t % nwarps, as 32 consecutive rows per warp left two thirds of the SMs idle at
-      // 4096 rows on 24 SMs
-      const uint8_t* region =
-          own_buf + L.dispatch_offset[0] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
-      for (int64_t t = gwarp + static_cast<int64_t>(lane) * nwarps; t < L.max_tokens; t += static_cast<int64_t>(nwarps) * 32)
-        receive_row_meta(p, region + t * L.row_stride, static_cast<int64_t>(src) * L.max_tokens + t, t < src_tokens,
-                         code, src, err);
-    } else {
-      const uint8_t* region =
-          own_buf + L.dispatch_offset[data_half] + static_cast<int64_t>(src) * L.max_tokens * L.row_stride;
-      const int64_t src_items = static_cast<int64_t>(L.max_tokens) * p.chunks;
-      for (int64_t item = gwarp; item < src_items; item += nwarps) {
-        const int t = static_cast<int>(item / p.chunks);
-        const int chunk = static_cast<int>(item % p.chunks);
-        const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
-        const uint8_t* row = region + t * L.row_stride;
-        bool valid = false;
-        if (t < src_tokens) {
-          const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
-          valid = static_cast<uint32_t>(h.x) == code;
-          if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
-            if (lane == 0 && chunk == 0) {
-              err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
-              err.count(kStatusRowFormat, 1);
-            }
-            valid = false;
-          }
-        }
-        if (!valid && chunk > 0) continue;
-        int lid = -1, slot = -1;
-        float lw = 0.f;
-        if (valid && lane < k) {
-          const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
-          lid = __ldcg(meta + lane);
-          lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
-          const int idx = __ldcg(meta + 2 * k + lane);
-          // never trust an index from another process: out of range means dropped
-          if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[lid]))) lid = -1;
-          else slot = s_base[lid] + idx;
-        }
-        const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
-        if (n == 0) continue;
-        const int64_t lo = chunk * p.chunk_bytes;
-        const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-        if (lane < n) dst[lane] += lo;
-        __syncwarp();
-        warp_copy_multi<true>(row + L.payload_offset + lo, dst, n, hi - lo, lane);
-        if (chunk == 0 && p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
-        __syncwarp();
-      }
-    }
-    __syncthreads();
-    if (i < kTraceSources) stamp(L, kTraceDispatch, kTrSource0 + 2 * i + 1);
-    for (int e = threadIdx.x; e < nl; e += blockDim.x) s_base[e] += s_count[e];
-    __syncthreads();
+    s_tokens[src] = v != 0 ? static_cast<int>(v >> 32) : -1;
+    if (i < kTraceSources && L.trace != nullptr)
+      L.trace[(static_cast<int64_t>(kTraceDispatch) * gridDim.x + blockIdx.x) * kTraceSlots + kTrSource0 + 2 * i] =
+          global_timer_ns();
   }
-  if (L.batched && blockIdx.x == 0)
-    for (int e = threadIdx.x; e < nl; e += blockDim.x) p.counts[e] = s_base[e];
-  stamp(L, kTraceDispatch, kTrEnd, true);
+  __syncthreads();
+  // the counts of a source whose flag never came may be another call's: none
+  for (int j = threadIdx.x; L.batched && j < L.world * nl; j += blockDim.x)
+    s_count[j] = s_tokens[j / nl] >= 0 ? __ldcg(counts + j) : 0;
+  __syncthreads();
+  for (int e = threadIdx.x; L.batched && e < nl; e += blockDim.x) {
+    int base = 0;
+    for (int i = 0; i < L.world; ++i) {
+      const int src = (L.rank + i) % L.world;
+      s_base[src * nl + e] = base;
+      base += s_count[src * nl + e];
+    }
+    if (blockIdx.x == 0) p.counts[e] = base;
+  }
+  __syncthreads();
+  // this rank's rows below T were laid out while sending; the rest are padding
+  for (int t = p.num_tokens + gwarp; t < L.max_tokens; t += nwarps)
+    place_row(p, static_cast<int64_t>(L.rank) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
+  // the peers' rows: [world - 1][max_tokens] in the order rank+1, rank+2, ...
+  const int64_t peer_rows = static_cast<int64_t>(L.world - 1) * L.max_tokens;
+  if (L.zero_copy && !L.batched) {
+    // the payload stays where it landed: only the ids and weights of each row, one row per lane (a
+    // warp per row would wait out a dependent header -> meta -> store chain for every row); row r goes
+    // to warp r % nwarps, as 32 consecutive rows per warp left two thirds of the SMs idle at 4096 rows
+    // on 24 SMs
+    for (int64_t r = gwarp + static_cast<int64_t>(lane) * nwarps; r < peer_rows; r += static_cast<int64_t>(nwarps) * 32) {
+      const int src = (L.rank + 1 + static_cast<int>(r / L.max_tokens)) % L.world;
+      const int t = static_cast<int>(r % L.max_tokens);
+      const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
+      receive_row_meta(p, own_buf + L.dispatch_offset[0] + row_index * L.row_stride, row_index, t < s_tokens[src],
+                       code, src, err);
+    }
+  } else {
+    for (int64_t item = gwarp; item < peer_rows * p.chunks; item += nwarps) {
+      const int64_t r = item / p.chunks;
+      const int chunk = static_cast<int>(item % p.chunks);
+      const int src = (L.rank + 1 + static_cast<int>(r / L.max_tokens)) % L.world;
+      const int t = static_cast<int>(r % L.max_tokens);
+      const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
+      const uint8_t* row = own_buf + L.dispatch_offset[data_half] + row_index * L.row_stride;
+      bool valid = false;
+      if (t < s_tokens[src]) {
+        const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
+        valid = static_cast<uint32_t>(h.x) == code;
+        if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
+          if (lane == 0 && chunk == 0) {
+            err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
+            err.count(kStatusRowFormat, 1);
+          }
+          valid = false;
+        }
+      }
+      if (!valid && chunk > 0) continue;
+      int lid = -1, slot = -1;
+      float lw = 0.f;
+      if (valid && lane < k) {
+        const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+        lid = __ldcg(meta + lane);
+        lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
+        const int idx = __ldcg(meta + 2 * k + lane);
+        // never trust an index from another process: out of range means dropped
+        if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[src * nl + lid]))) lid = -1;
+        else slot = s_base[src * nl + lid] + idx;
+      }
+      const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
+      if (n == 0) continue;
+      const int64_t lo = chunk * p.chunk_bytes;
+      const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+      if (lane < n) dst[lane] += lo;
+      __syncwarp();
+      warp_copy_multi<true>(row + L.payload_offset + lo, dst, n, hi - lo, lane);
+      if (chunk == 0 && p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < min(L.world, kTraceSources); ++i) stamp(L, kTraceDispatch, kTrSource0 + 2 * i + 1);
+  stamp(L, kTraceDispatch, kTrEnd);
 }
 
 // Tell every peer that this rank gives up ``calls`` call numbers from the current one: 1, a combine;
@@ -583,28 +593,42 @@ __global__ void abort_kernel(const Common c, int calls) {
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(c.counters + kStateSeq) = seq + calls;
 }
 
+// Shared memory of the receive pass: [world] token counts, then [world][num_local] counts and slot bases.
+// Up to this many bytes need no opt-in (with the kernel's static arrays, within the 48 KB default).
+constexpr size_t kDefaultDynamicSmemBytes = 32 * 1024;
+
+size_t dispatch_smem_bytes(int world, int num_local) {
+  return sizeof(int) * (static_cast<size_t>(world) + 2 * static_cast<size_t>(world) * static_cast<size_t>(num_local));
+}
+
+template <int kQuant, bool kIds64>
+cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
+  const size_t smem = dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local);
+  if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
+    const cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kQuant, kIds64>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  dispatch_kernel<kQuant, kIds64><<<dim3(num_blocks), dim3(kThreads), smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchParams& p, int quant_dtype, bool ids_int64, int num_blocks,
                             cudaStream_t stream) {
-  const dim3 grid(num_blocks), block(kThreads);
-  const size_t smem = 2 * sizeof(int) * static_cast<size_t>(p.c.lay.num_local);
-#define EP_DISPATCH(Q)                                                                          \
-  do {                                                                                          \
-    if (ids_int64) dispatch_kernel<Q, true><<<grid, block, smem, stream>>>(p);                  \
-    else dispatch_kernel<Q, false><<<grid, block, smem, stream>>>(p);                           \
-  } while (0)
+#define EP_DISPATCH(Q) \
+  return ids_int64 ? launch_dispatch_as<Q, true>(p, num_blocks, stream) : launch_dispatch_as<Q, false>(p, num_blocks, stream)
   switch (quant_dtype) {
-    case kBf16: EP_DISPATCH(kBf16); break;
-    case kFp16: EP_DISPATCH(kFp16); break;
-    case kFp32: EP_DISPATCH(kFp32); break;
-    case kDispatchNvfp4 + kBf16: EP_DISPATCH(kDispatchNvfp4 + kBf16); break;
-    case kDispatchNvfp4 + kFp16: EP_DISPATCH(kDispatchNvfp4 + kFp16); break;
-    case kDispatchNvfp4 + kFp32: EP_DISPATCH(kDispatchNvfp4 + kFp32); break;
-    default: EP_DISPATCH(-1); break;
+    case kBf16: EP_DISPATCH(kBf16);
+    case kFp16: EP_DISPATCH(kFp16);
+    case kFp32: EP_DISPATCH(kFp32);
+    case kDispatchNvfp4 + kBf16: EP_DISPATCH(kDispatchNvfp4 + kBf16);
+    case kDispatchNvfp4 + kFp16: EP_DISPATCH(kDispatchNvfp4 + kFp16);
+    case kDispatchNvfp4 + kFp32: EP_DISPATCH(kDispatchNvfp4 + kFp32);
+    default: EP_DISPATCH(-1);
   }
 #undef EP_DISPATCH
-  return cudaGetLastError();
 }
 
 cudaError_t launch_abort(const Common& c, int calls, cudaStream_t stream) {

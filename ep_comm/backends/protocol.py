@@ -172,7 +172,7 @@ class Limit:
 
     THREADS = 512  # threads per block of the one-sided kernels
     MAX_TOP_K = 32
-    MAX_LOCAL_EXPERTS = 4096  # per-block prefix arrays in dynamic shared memory
+    MAX_EXPERTS = 8192  # the dispatch's per-block [world][local experts] counts and slot bases: 2 x 4 B each
     GROUP_TOKENS = 32  # prefill combines signal per group of this many tokens
     ROW_HEADER_BYTES = 16  # RowHeader at the head of every dispatch row
     SEQ_BITS = 30  # call numbers wrap modulo 2**SEQ_BITS in a flag code

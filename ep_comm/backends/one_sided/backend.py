@@ -433,8 +433,8 @@ def kernels_unavailable(ctx: BackendContext) -> str:
         return why
     if ctx.cfg.top_k > Limit.MAX_TOP_K:
         return f"top_k={ctx.cfg.top_k} exceeds the kernels' limit of {Limit.MAX_TOP_K}"
-    if ctx.num_local_experts > Limit.MAX_LOCAL_EXPERTS:
-        return f"{ctx.num_local_experts} experts per rank exceed the kernels' limit of {Limit.MAX_LOCAL_EXPERTS}"
+    if ctx.cfg.num_experts > Limit.MAX_EXPERTS:
+        return f"num_experts={ctx.cfg.num_experts} exceeds the kernels' limit of {Limit.MAX_EXPERTS}"
     return ""
 
 
