@@ -4,7 +4,7 @@
 
 With ``EP_COMM_TRACE=1`` every block of the mnnvl kernels writes the GPU's globaltimer when it
 reaches each phase (protocol.h, ``kTr*``): start, its sends done, the grid-wide arrival, the peers'
-flags released (last block), per source the flag seen and its rows laid out, end.  This script
+flags released (last block), per source the flag seen, every source's rows laid out, end.  This script
 captures dispatch and combine in CUDA graphs like ``ep-comm bench --mode graph``, replays each
 after lining the ranks up on the device, and prints per rank the median over ``--iters`` replays of
 each phase's time from the kernel's first block start (max over blocks), next to the CUDA-event
@@ -39,7 +39,7 @@ def _phases(stamps: torch.Tensor, op: int, world: int) -> dict[str, float]:
     if op == Trace.DISPATCH:
         for i in range(min(world, Trace.SOURCES)):
             names[Stamp.SOURCE0 + 2 * i] = f"src+{i} flag"
-            names[Stamp.SOURCE0 + 2 * i + 1] = f"src+{i} laid out"
+        names[Stamp.SOURCE0 + 1] = "rows laid out"
     else:
         names[Stamp.SOURCE0] = "flags seen"
     out = {"start spread": float((blocks[:, Stamp.START].max() - t0) / 1e3)}

@@ -373,6 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
   stamp(L, kTraceCombine, kTrArrived);
   if (a.last) {
+    close_work(work);
     signal_all(p.c, parity, code);
     stamp(L, kTraceCombine, kTrSignalled);
     if (threadIdx.x == 0)  // every block has arrived, so every block has read seq

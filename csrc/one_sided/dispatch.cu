@@ -1,5 +1,7 @@
 // One-sided dispatch: one launch per call (send, signal, wait, lay out), or two with a receive hook
 // (phases in protocol.h).  Also the abort kernel.
+#include <array>
+#include <mutex>
 #include <type_traits>
 
 #include "one_sided/kernel_common.cuh"
@@ -427,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
   stamp(L, kTraceDispatch, kTrArrived);
   if (a.last) {
+    close_work(work);
     for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
       const int peer = i / nl;
       if (!peer_active(L, peer)) continue;
@@ -540,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         const int idx = __ldcg(meta + 2 * k + lane);
         // never trust an index from another process: out of range means dropped
         if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[src * nl + lid]))) lid = -1;
-        else slot = s_base[src * nl + lid] + idx;
+        else if (L.batched) slot = s_base[src * nl + lid] + idx;
       }
       const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
       if (n == 0) continue;
@@ -554,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
   }
   __syncthreads();
-  for (int i = 0; i < min(L.world, kTraceSources); ++i) stamp(L, kTraceDispatch, kTrSource0 + 2 * i + 1);
+  stamp(L, kTraceDispatch, kTrSource0 + 1);  // every source's rows laid out
   stamp(L, kTraceDispatch, kTrEnd);
 }
 
@@ -596,17 +599,37 @@ __global__ void abort_kernel(const Common c, int calls) {
 // Shared memory of the receive pass: [world] token counts, then [world][num_local] counts and slot bases.
 // Up to this many bytes need no opt-in (with the kernel's static arrays, within the 48 KB default).
 constexpr size_t kDefaultDynamicSmemBytes = 32 * 1024;
+constexpr int kMaxDevices = 64;
 
 size_t dispatch_smem_bytes(int world, int num_local) {
   return sizeof(int) * (static_cast<size_t>(world) + 2 * static_cast<size_t>(world) * static_cast<size_t>(num_local));
 }
 
+// Raise the kernel's dynamic shared memory limit to ``bytes`` on the current device, once: the limit
+// is per function and device, and only ever raised, so launches of communicators of other sizes (from
+// other host threads too) never see it lowered under them.
+template <int kQuant, bool kIds64>
+cudaError_t allow_dispatch_smem(size_t bytes) {
+  static std::mutex mutex;
+  static std::array<size_t, kMaxDevices> allowed{};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (bytes <= allowed[dev]) return cudaSuccess;
+  e = cudaFuncSetAttribute(dispatch_kernel<kQuant, kIds64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes));
+  if (e == cudaSuccess) allowed[dev] = bytes;
+  return e;
+}
+
 template <int kQuant, bool kIds64>
 cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  const size_t smem = dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local);
+  // only the receive half uses the dynamic shared memory; a send half leaves it to L1
+  const size_t smem = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
-    const cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kQuant, kIds64>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t e = allow_dispatch_smem<kQuant, kIds64>(smem);
     if (e != cudaSuccess) return e;
   }
   dispatch_kernel<kQuant, kIds64><<<dim3(num_blocks), dim3(kThreads), smem, stream>>>(p);

@@ -97,6 +97,12 @@ __device__ __forceinline__ void open_work(const WorkQueue& q) {
     atomicExch(q.word, static_cast<unsigned long long>(q.code) << 32);
 }
 
+// The last block to arrive after the loop (every warp has left it): the word holds no code, so no later
+// call can take this call's tickets, not even one whose code comes round again as call numbers wrap.
+__device__ __forceinline__ void close_work(const WorkQueue& q) {
+  if (q.end > q.first && threadIdx.x == 0) atomicExch(q.word, 0ull);
+}
+
 // The warp's next item after one it finished (q.end when none is left); every lane gets the same.
 __device__ __forceinline__ int64_t next_work(const WorkQueue& q, int lane, uint64_t deadline_ns, const ErrorSink& err) {
   if (q.end <= q.first) return q.end;

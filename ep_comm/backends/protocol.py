@@ -154,7 +154,7 @@ class Stamp(enum.IntEnum):
     SENT = 1  # block finished its sends
     ARRIVED = 2  # grid-wide arrival done
     SIGNALLED = 3  # the last block released the peers' flags (last block only)
-    SOURCE0 = 4  # dispatch: 4 + 2i flag of source i seen, 5 + 2i its rows laid out; combine: every flag seen
+    SOURCE0 = 4  # dispatch: 4 + 2i flag of source i seen, 5 every source's rows laid out; combine: every flag seen
     END = 20  # block done
 
 
@@ -172,7 +172,8 @@ class Limit:
 
     THREADS = 512  # threads per block of the one-sided kernels
     MAX_TOP_K = 32
-    MAX_EXPERTS = 8192  # the dispatch's per-block [world][local experts] counts and slot bases: 2 x 4 B each
+    MAX_EXPERTS = 24576  # the dispatch's per-block [world][local experts] counts and slot bases, 2 x 4 B each, fit
+    # the 227 KB of shared memory a Hopper or Blackwell block may opt into
     GROUP_TOKENS = 32  # prefill combines signal per group of this many tokens
     ROW_HEADER_BYTES = 16  # RowHeader at the head of every dispatch row
     SEQ_BITS = 30  # call numbers wrap modulo 2**SEQ_BITS in a flag code
