@@ -196,6 +196,8 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
 // of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
 // (world - 1) groups, the pace at which the peers' matching groups arrive.  Split (p.grouped >= 2):
 // blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
+// With a receive hook the send half's blocks all send and the receive half's all sum: the same
+// protocol, so ranks may hook or not independently.
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
                                                 uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
@@ -208,9 +210,12 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
   __shared__ int s_ok;
   // split (p.grouped >= 2): the first blocks only send, the others only sum, so the system fence
-  // before each group's flag stalls senders only and the sums run at the pace the partials land
-  const int senders = p.grouped >= 2 ? min(static_cast<int>(gridDim.x) - 1, p.grouped - 1) : 0;
-  const bool split = senders > 0;
+  // before each group's flag stalls senders only and the sums run at the pace the partials land; a
+  // hooked call's send half is all senders, its receive half all summers
+  const int grid = static_cast<int>(gridDim.x);
+  const bool sends = p.phases & kPhaseSend, receives = p.phases & kPhaseReceive;
+  const int senders = !receives ? grid : !sends ? 0 : p.grouped >= 2 ? min(grid - 1, p.grouped - 1) : 0;
+  const bool split = senders > 0 || !sends;
   const bool summer = split && static_cast<int>(blockIdx.x) >= senders;
   const int sum_stride = split ? static_cast<int>(gridDim.x) - senders : static_cast<int>(gridDim.x);
   int next_sum = split ? static_cast<int>(blockIdx.x) - senders : static_cast<int>(blockIdx.x);
@@ -335,20 +340,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     stamp(L, kTraceCombine, kTrEnd);
     return;
   }
-  if (p.grouped && L.world > 1 && p.phases == kPhaseBoth && !put_mode(L)) {  // (never grouped in put mode)
+  if (p.grouped && L.world > 1 && !put_mode(L)) {  // (never grouped in put mode)
     combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
     stamp(L, kTraceCombine, kTrSent, true);
-    // the call flag still goes out (peers on another call see it), but nothing here waits for it
-    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
-    if (a.last) {
-      signal_all(p.c, parity, code);
-      stamp(L, kTraceCombine, kTrSignalled);
-      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    if (p.phases & kPhaseSend) {
+      // the call flag still goes out (peers on another call see it), but nothing here waits for it
+      const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+      if (a.last) {
+        signal_all(p.c, parity, code);
+        stamp(L, kTraceCombine, kTrSignalled);
+        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+      }
     }
     // a rank without tokens waited for no group above: it still ends only once every peer has sent
     // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
     // next call's flags could overwrite a slot a slow peer has not read yet
-    if (p.num_tokens == 0 && blockIdx.x == 0)
+    if (p.num_tokens == 0 && blockIdx.x == 0 && (p.phases & kPhaseReceive))
       for (int i = threadIdx.x; i < L.world; i += blockDim.x)
         if (i != L.rank && peer_active(L, i)) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
     stamp(L, kTraceCombine, kTrEnd, true);
