@@ -80,9 +80,8 @@ __device__ __forceinline__ CallId current_call(const Common& c, uint32_t op, int
 // whichever warp asks first.  SMs do not drain their NVLink stores at one rate: with a fixed stride the
 // blocks of a 4096-token dispatch finished sending up to 200 µs apart, the early ones then idle while
 // the link still has room (docs/performance.md).  The queue word holds the call's code in its high 32
-// bits and the next ticket in its low 32: block 0 opens it at the launch's start, and a warp asks only
-// once it sees its own call's code there, so nothing is reset between calls (until the opening the
-// word holds an earlier call's code).
+// bits and the next ticket in its low 32: block 0 opens it at the launch's start, a ticket counts only
+// when its add returned the warp's own call's code, and the last block to arrive clears the word.
 struct WorkQueue {
   unsigned long long* word;
   uint32_t code;
@@ -108,16 +107,20 @@ __device__ __forceinline__ int64_t next_work(const WorkQueue& q, int lane, uint6
   if (q.end <= q.first) return q.end;
   int64_t item = q.end;
   if (lane == 0) {
+    // one atomic per item once the queue is open; an add that finds another call's code went to a word
+    // block 0's opening overwrites, so it takes nothing: wait for the opening and ask again
+    unsigned long long old = atomicAdd(q.word, 1ull);
     uint32_t spins = 0;
     bool open = true;
-    while (static_cast<uint32_t>(ld_acquire_gpu(q.word) >> 32) != q.code) {
+    while (static_cast<uint32_t>(old >> 32) != q.code) {
       if ((++spins & 255u) == 0 && global_timer_ns() > deadline_ns) {  // block 0 never ran: not all resident
         err.count(kStatusLocalStall, 1);
         open = false;
         break;
       }
+      if (static_cast<uint32_t>(ld_acquire_gpu(q.word) >> 32) == q.code) old = atomicAdd(q.word, 1ull);
     }
-    if (open) item = min(q.end, q.first + static_cast<int64_t>(atomicAdd(q.word, 1ull) & 0xffffffffull));
+    if (open) item = min(q.end, q.first + static_cast<int64_t>(old & 0xffffffffull));
   }
   return __shfl_sync(kFull, item, 0);
 }
