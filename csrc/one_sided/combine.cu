@@ -340,28 +340,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     stamp(L, kTraceCombine, kTrEnd);
     return;
   }
-  if (p.grouped && L.world > 1 && !put_mode(L)) {  // (never grouped in put mode)
-    combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
-    stamp(L, kTraceCombine, kTrSent, true);
-    if (p.phases & kPhaseSend) {
-      // the call flag still goes out (peers on another call see it), but nothing here waits for it
-      const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
-      if (a.last) {
-        signal_all(p.c, parity, code);
-        stamp(L, kTraceCombine, kTrSignalled);
-        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-      }
-    }
-    // a rank without tokens waited for no group above: it still ends only once every peer has sent
-    // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
-    // next call's flags could overwrite a slot a slow peer has not read yet
-    if (p.num_tokens == 0 && blockIdx.x == 0 && (p.phases & kPhaseReceive))
-      for (int i = threadIdx.x; i < L.world; i += blockDim.x)
-        if (i != L.rank && peer_active(L, i)) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
-    stamp(L, kTraceCombine, kTrEnd, true);
-    return;
-  }
-
   if (p.phases & kPhaseSend) {
   // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
   // the partials of this rank's own tokens are summed straight from expert_out when receiving
@@ -408,17 +386,66 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   stamp(L, kTraceCombine, kTrEnd, true);
 }
 
+// The grouped combine in a kernel of its own (launch_combine picks it): inlined into combine_kernel,
+// its code changed how the compiler scheduled the ungrouped sums (a batched combine of 4096 tokens at
+// EP2 took 582 instead of 487 µs, docs/performance.md).
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const CombineParams p) {
+  const Layout& L = p.c.lay;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const ErrorSink err{p.c.status, L.pending, L.world};
+  const auto [seq, code, parity] = current_call(p.c, kOpCombine, p.phases);
+  stamp(L, kTraceCombine, kTrStart);
+
+  __shared__ const Tin* s_src[kWarps][kMaxTopK];
+  __shared__ float s_w[kWarps][kMaxTopK];
+  __shared__ const Tout* s_part[kWarps][kMaxTopK];
+  const Tin* eo = static_cast<const Tin*>(p.expert_out);
+  combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+  stamp(L, kTraceCombine, kTrSent, true);
+  if (p.phases & kPhaseSend) {
+    // the call flag still goes out (peers on another call see it), but nothing here waits for it
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    if (a.last) {
+      signal_all(p.c, parity, code);
+      stamp(L, kTraceCombine, kTrSignalled);
+      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    }
+  }
+  // a rank without tokens waited for no group above: it still ends only once every peer has sent
+  // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
+  // next call's flags could overwrite a slot a slow peer has not read yet
+  if (p.num_tokens == 0 && blockIdx.x == 0 && (p.phases & kPhaseReceive))
+    for (int i = threadIdx.x; i < L.world; i += blockDim.x)
+      if (i != L.rank && peer_active(L, i)) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
+  stamp(L, kTraceCombine, kTrEnd, true);
+}
+
+// Whether a combine takes the grouped protocol: prefill-sized, with peers, pushed by stores (a pulling
+// combine reads in place; put mode signals once per call).
+bool combine_is_grouped(const CombineParams& p) {
+  return !p.pull && p.grouped && p.c.lay.world > 1 && !put_mode(p.c.lay);
+}
+
 }  // namespace
 
 cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
                            cudaStream_t stream) {
   const dim3 grid(num_blocks), block(kThreads);
+  const bool grouped = combine_is_grouped(p);
+#define EP_COMBINE_AS(Tin, Tout)                                                                \
+  do {                                                                                          \
+    if (grouped) combine_grouped_kernel<Tin, Tout><<<grid, block, 0, stream>>>(p);              \
+    else combine_kernel<Tin, Tout><<<grid, block, 0, stream>>>(p);                              \
+  } while (0)
 #define EP_COMBINE_OUT(Tin)                                                                     \
   do {                                                                                          \
     switch (out_dtype) {                                                                        \
-      case kBf16: combine_kernel<Tin, __nv_bfloat16><<<grid, block, 0, stream>>>(p); break;     \
-      case kFp16: combine_kernel<Tin, __half><<<grid, block, 0, stream>>>(p); break;            \
-      default: combine_kernel<Tin, float><<<grid, block, 0, stream>>>(p); break;                \
+      case kBf16: EP_COMBINE_AS(Tin, __nv_bfloat16); break;                                     \
+      case kFp16: EP_COMBINE_AS(Tin, __half); break;                                            \
+      default: EP_COMBINE_AS(Tin, float); break;                                                \
     }                                                                                           \
   } while (0)
   switch (in_dtype) {
@@ -427,6 +454,7 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
     default: EP_COMBINE_OUT(float); break;
   }
 #undef EP_COMBINE_OUT
+#undef EP_COMBINE_AS
   return cudaGetLastError();
 }
 

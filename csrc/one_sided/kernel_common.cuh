@@ -33,7 +33,7 @@ __device__ __forceinline__ uint64_t* flag_slot(const Common& c, int owner, int r
 }
 
 // ---- put mode (one_sided.cuh): the compiler drops all of it outside the NVSHMEM build ----------------------
-__device__ __forceinline__ bool put_mode(const Layout& L) {
+__host__ __device__ __forceinline__ bool put_mode(const Layout& L) {
 #ifdef EP_COMM_NVSHMEM
   return L.put != 0;
 #else

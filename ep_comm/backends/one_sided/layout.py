@@ -16,12 +16,12 @@ from ...config import EPConfig
 from ...errors import EPConfigError
 from ..protocol import Cfg, DType, Limit, Quant
 
-# prefill-sized combines of the standard layout signal per group of Limit.GROUP_TOKENS tokens, from
-# GROUPED_MIN_TOKENS tokens per rank on: split at world 2 (a third of the blocks only send partials, the
-# others only sum), interleaved at larger worlds, where split has not been measured (more peers shift
-# the work towards sending); batched combines are slower grouped, so they stay ungrouped
-# (docs/performance.md).  $EP_COMM_COMBINE_GROUPED forces a mode for either layout: 0 off, 1
-# interleaved (every block sends and sums in turn), "split" (a third of the blocks send) or "split:N".
+# prefill-sized combines of the standard layout at world > 2 signal per group of Limit.GROUP_TOKENS
+# tokens, from GROUPED_MIN_TOKENS tokens per rank on, every block sending and summing in turn; at world
+# 2 the pushed combine, whose send items are handed out as warps ask, is faster than either grouped
+# mode, and batched combines are slower grouped, so both stay ungrouped (docs/performance.md).
+# $EP_COMM_COMBINE_GROUPED forces a mode for either layout: 0 off, 1 interleaved (every block sends and
+# sums in turn), "split" (a third of the blocks only send, the others only sum) or "split:N".
 GROUPED_MIN_TOKENS = 512
 COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 # zero copy: combine pulls (reads the owners' expert rows in place) from this many tokens per rank; it
@@ -157,10 +157,10 @@ def check_environment() -> None:
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:
-    """The grouped-combine mode a config gets without $EP_COMM_COMBINE_GROUPED: "0", "1" or "split"."""
-    if cfg.layout != "standard" or cfg.max_tokens_per_rank < GROUPED_MIN_TOKENS or world < 2:
+    """The grouped-combine mode a config gets without $EP_COMM_COMBINE_GROUPED: "0" or "1"."""
+    if cfg.layout != "standard" or cfg.max_tokens_per_rank < GROUPED_MIN_TOKENS or world <= 2:
         return "0"
-    return "split" if world == 2 else "1"
+    return "1"
 
 
 def combine_grouped_mode(forced: Optional[str], default: str, num_blocks: int) -> int:

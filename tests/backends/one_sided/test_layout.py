@@ -37,13 +37,14 @@ def test_zero_copy_combines_pull_at_prefill_sizes_over_stores_only():
 
 def test_combine_grouping_by_size_and_layout():
     cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS)
-    lay = lay_mod.BufferLayout.for_config(cfg, 2)
-    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 9  # split: 8 of 24 blocks send
+    lay = lay_mod.BufferLayout.for_config(cfg, 4)
+    assert lay_mod.config_vector(cfg, 0, 4, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 1  # interleaved
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0  # pushed at EP2
     assert lay_mod.config_vector(cfg, 0, 1, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0  # no peers, nothing to group
     small = cfg.replace(max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS - 1)
-    assert lay_mod.config_vector(small, 0, 2, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0
+    assert lay_mod.config_vector(small, 0, 4, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0
     batched = cfg.replace(layout="batched")  # measured slower grouped: by size, standard only
-    assert lay_mod.config_vector(batched, 0, 2, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0
+    assert lay_mod.config_vector(batched, 0, 4, lay, 24, 0)[Cfg.COMBINE_GROUPED] == 0
 
 
 def test_combine_grouped_mode_from_the_environment():
@@ -57,11 +58,11 @@ def test_combine_grouped_mode_from_the_environment():
     with pytest.raises(ValueError, match="EP_COMM_COMBINE_GROUPED"):
         lay_mod.combine_grouped_mode("yes", "0", 24)
     std = ep_comm.EPConfig(num_experts=64, top_k=2, hidden=64, max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS)
-    assert lay_mod.default_combine_grouping(std, 2) == "split"  # measured at EP2 (docs/performance.md)
+    assert lay_mod.default_combine_grouping(std, 2) == "0"  # pushed is faster at EP2 (docs/performance.md)
     assert lay_mod.default_combine_grouping(std, 4) == "1" and lay_mod.default_combine_grouping(std, 8) == "1"
     assert lay_mod.default_combine_grouping(std, 1) == "0"
     assert lay_mod.default_combine_grouping(std.replace(layout="batched"), 2) == "0"
-    assert lay_mod.default_combine_grouping(std.replace(max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS - 1), 2) == "0"
+    assert lay_mod.default_combine_grouping(std.replace(max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS - 1), 4) == "0"
 
 
 def test_the_table_keeps_its_own_invariants():
