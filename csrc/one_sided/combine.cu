@@ -387,8 +387,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
 }
 
 // The grouped combine in a kernel of its own (launch_combine picks it): inlined into combine_kernel,
-// its code changed how the compiler scheduled the ungrouped sums (a batched combine of 4096 tokens at
-// EP2 took 582 instead of 487 µs, docs/performance.md).
+// its code changes how the compiler schedules the push form's sums, which then run about a third
+// slower (docs/performance.md).
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
