@@ -193,13 +193,14 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
 // Grouped combine (prefill sizes): each block alternates between sending the partials of one group
 // of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
 // tokens whose partials have all been flagged, so the sums run while the link is still busy instead
-// of after every block's sends.  A block sums its j-th own group once it has sent about (j + 1) x
-// (world - 1) groups, the pace at which the peers' matching groups arrive.  Split (p.grouped >= 2):
+// of after every block's sends.  Units are handed out in order (the send queue), and a block sums own
+// group g once the unit it sent is past (g + grid) x (world - 1), the pace at which the peers' matching
+// groups arrive.  Split (p.grouped >= 2):
 // blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
 // With a receive hook the send half's blocks all send and the receive half's all sum: the same
 // protocol, so ranks may hook or not independently.
 template <typename Tin, typename Tout>
-__device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
+__device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
                                                 uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
                                                 float* w, const Tout** parts, int lane, int warp) {
   const Layout& L = p.c.lay;
@@ -219,7 +220,6 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
   const bool summer = split && static_cast<int>(blockIdx.x) >= senders;
   const int sum_stride = split ? static_cast<int>(gridDim.x) - senders : static_cast<int>(gridDim.x);
   int next_sum = split ? static_cast<int>(blockIdx.x) - senders : static_cast<int>(blockIdx.x);
-  int sent = 0;               // send units this block finished
   auto sum_group = [&](int g) {
     if (threadIdx.x == 0) {
       bool ok = true;
@@ -237,7 +237,12 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
       sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
     __syncthreads();
   };
-  for (int u = blockIdx.x; !summer && u < send_units; u += split ? senders : gridDim.x) {
+  // send units: the first round one per sending block, later ones as blocks ask (the send queue, as in
+  // the push form: blocks drain their NVLink stores at different rates), so units go out in order
+  const WorkQueue work{p.c.counters + kStateCombineWork, code, split ? senders : grid, send_units};
+  if (sends) open_work(work);
+  __shared__ int s_unit;
+  for (int u = blockIdx.x; !summer && u < send_units;) {
     const int src = (L.rank + 1 + u % peers) % L.world;
     const int t0 = (u / peers) * kGroupTokens;
     // a rank that left sent no rows: nothing to return to it
@@ -249,15 +254,24 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
       __threadfence_system();  // the block's partials land before the group's flag
       st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
     }
-    ++sent;
-    // sum own groups whose partials should have arrived by now (peers send in the same order)
-    while (!split && next_sum < own_groups && (next_sum / static_cast<int>(gridDim.x) + 1) * peers < sent) {
+    // sum own groups whose partials should have arrived by now: every rank hands its units out in
+    // order, and this one's are past unit (g + grid) x peers.  A block waits holding no unit it has
+    // not sent, so the rank with the lowest awaited group has had that group's units taken by blocks
+    // that send before they wait: the waits cannot form a cycle.
+    while (!split && next_sum < own_groups && (next_sum + grid) * peers <= u) {
       sum_group(next_sum);
       next_sum += gridDim.x;
     }
+    if (warp == 0) {
+      const int64_t next = next_work(work, lane, deadline, err);
+      if (lane == 0) s_unit = static_cast<int>(next);
+    }
+    __syncthreads();
+    u = s_unit;
   }
-  if (split && !summer) return;
+  if (split && !summer) return work;
   for (; next_sum < own_groups; next_sum += sum_stride) sum_group(next_sum);
+  return work;
 }
 
 // Pull combine (zero copy, standard layout, peers reached by stores): every rank's expert rows stay in
@@ -403,12 +417,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const Comb
   __shared__ float s_w[kWarps][kMaxTopK];
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
-  combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+  const WorkQueue work =
+      combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
   stamp(L, kTraceCombine, kTrSent, true);
   if (p.phases & kPhaseSend) {
     // the call flag still goes out (peers on another call see it), but nothing here waits for it
     const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
     if (a.last) {
+      close_work(work);
       signal_all(p.c, parity, code);
       stamp(L, kTraceCombine, kTrSignalled);
       if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;

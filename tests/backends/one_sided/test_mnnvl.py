@@ -300,6 +300,65 @@ def test_grouped_combine_under_cuda_graphs(case, env):
     _assert_clean(case, f"grouped_graph_{env}", grouped_graph_worker, env)
 
 
+# -- grouped combine on 2 SMs: most send units come from the queue, and blocks sum between them --------------
+QUEUE_GROUPED_TOKENS = 160  # 5 groups per peer, against 2 blocks (split: 1 sending block)
+QUEUE_GROUPED_MODES = {"1": "interleaved", "split:1": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
+
+
+def queue_grouped_worker(env: str, hooks: bool) -> dict:
+    """The forced grouped mode ``env`` on QUEUE_SMS SMs, every payload x scenario twice (both parities)."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    out: dict = {}
+    seed = 1500
+    os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
+    try:
+        for payload in cases.PAYLOADS:
+            cfg = cases.make_cfg(world, "mnnvl", "standard", cases.PAYLOADS[payload][0],
+                                 max_tokens=QUEUE_GROUPED_TOKENS, num_sms=QUEUE_SMS)
+            with ep_comm.Communicator(cfg, device=device) as comm:
+                mode = comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED]
+                if mode != lay_mod.combine_grouped_mode(env, "0", QUEUE_SMS) or mode < 1:
+                    out[f"{payload}/switched_on"] = [f"grouped mode {mode}"]
+                    continue
+                for _ in range(2):
+                    for name, spec in cases.scenarios(world, QUEUE_GROUPED_TOKENS).items():
+                        seed += 1
+                        key = f"{payload}/{name}"
+                        out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
+                                                                     hooks=hooks)
+    finally:
+        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
+    return out
+
+
+def queue_grouped_graph(env: str) -> dict:
+    os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
+    try:
+        return cases.graph_capture(("mnnvl",), ("standard",), replays=4, max_tokens=QUEUE_GROUPED_TOKENS,
+                                   num_sms=QUEUE_SMS)
+    finally:
+        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
+
+
+QUEUE_GROUPED = [f"{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, QUEUE_GROUPED_TOKENS)]
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "recv_hooks"])
+@pytest.mark.parametrize("env", QUEUE_GROUPED_MODES)
+@pytest.mark.parametrize("case", QUEUE_GROUPED)
+def test_grouped_send_units_taken_from_the_queue_match_oracle(case, env, hooks):
+    assert not [k for k in _run(f"queue_grouped_{env}_{hooks}", queue_grouped_worker, env, hooks)
+                if k.endswith("switched_on")]
+    _assert_clean(case, f"queue_grouped_{env}_{hooks}", queue_grouped_worker, env, hooks)
+
+
+@pytest.mark.parametrize("env", QUEUE_GROUPED_MODES)
+@pytest.mark.parametrize("case", [f"mnnvl/standard/{q}" for q in ("bf16", "fp8")])
+def test_grouped_send_units_taken_from_the_queue_under_cuda_graphs(case, env):
+    _assert_clean(case, f"queue_grouped_graph_{env}", queue_grouped_graph, env)
+
+
 # -- other dtypes, int64 ids, validation switched off, no host synchronisation ------------------------------
 def variants_worker() -> dict:
     topo, device = cases.init_rank()
