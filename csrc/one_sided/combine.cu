@@ -194,15 +194,15 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
 // of kGroupTokens rows to their owner (then flagging that group) and summing one group of its own
 // tokens whose partials have all been flagged, so the sums run while the link is still busy instead
 // of after every block's sends.  Units are handed out in order (the send queue), and a block sums own
-// group g once the unit it sent is past (g + grid) x (world - 1), the pace at which the peers' matching
-// groups arrive.  Split (p.grouped >= 2):
+// group g about one round of units after g's last unit went out, about when the peers' matching groups
+// arrive.  Split (p.grouped >= 2):
 // blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
 // With a receive hook the send half's blocks all send and the receive half's all sum: the same
 // protocol, so ranks may hook or not independently.
 template <typename Tin, typename Tout>
 __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
-                                                uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
-                                                float* w, const Tout** parts, int lane, int warp) {
+                                                     uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                                     float* w, const Tout** parts, int lane, int warp) {
   const Layout& L = p.c.lay;
   const int peers = L.world - 1;
   const int groups = L.max_groups;
@@ -238,11 +238,24 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
     __syncthreads();
   };
   // send units: the first round one per sending block, later ones as blocks ask (the send queue, as in
-  // the push form: blocks drain their NVLink stores at different rates), so units go out in order
+  // the push form: blocks drain their NVLink stores at different rates), so units go out in order.
+  // Own group g is due once the unit just sent is about one round of units past g's last one,
+  // (g + 1) x peers + grid.  Deadlock freedom: a block waits only holding no unit it has not sent, and
+  // a waiting block's rank has handed out every unit of the group awaited; so the lowest group any rank
+  // awaits has had its units to that rank handed out by every peer, to blocks that send them before
+  // they wait.  When no sum is due the next unit is drawn while this one is sent (a warp other than
+  // warp 0, whose thread 0 then fences and flags while the block goes on); when sums are due it is
+  // drawn after them.
   const WorkQueue work{p.c.counters + kStateCombineWork, code, split ? senders : grid, send_units};
   if (sends) open_work(work);
-  __shared__ int s_unit;
-  for (int u = blockIdx.x; !summer && u < send_units;) {
+  __shared__ int s_unit[2];  // by iteration parity: the draw ahead of a unit writes while others read
+  for (int u = blockIdx.x, it = 0; !summer && u < send_units; ++it) {
+    const auto due = [&] { return !split && next_sum < own_groups && (next_sum + 1) * peers + grid <= u; };
+    const bool sums = due();
+    if (!sums && warp == kWarps - 1) {
+      const int64_t next = next_work(work, lane, deadline, err);
+      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
+    }
     const int src = (L.rank + 1 + u % peers) % L.world;
     const int t0 = (u / peers) * kGroupTokens;
     // a rank that left sent no rows: nothing to return to it
@@ -254,20 +267,18 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
       __threadfence_system();  // the block's partials land before the group's flag
       st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
     }
-    // sum own groups whose partials should have arrived by now: every rank hands its units out in
-    // order, and this one's are past unit (g + grid) x peers.  A block waits holding no unit it has
-    // not sent, so the rank with the lowest awaited group has had that group's units taken by blocks
-    // that send before they wait: the waits cannot form a cycle.
-    while (!split && next_sum < own_groups && (next_sum + grid) * peers <= u) {
-      sum_group(next_sum);
-      next_sum += gridDim.x;
+    if (sums) {
+      while (due()) {
+        sum_group(next_sum);
+        next_sum += gridDim.x;
+      }
+      if (warp == 0) {
+        const int64_t next = next_work(work, lane, deadline, err);
+        if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
+      }
+      __syncthreads();
     }
-    if (warp == 0) {
-      const int64_t next = next_work(work, lane, deadline, err);
-      if (lane == 0) s_unit = static_cast<int>(next);
-    }
-    __syncthreads();
-    u = s_unit;
+    u = s_unit[it & 1];
   }
   if (split && !summer) return work;
   for (; next_sum < own_groups; next_sum += sum_stride) sum_group(next_sum);

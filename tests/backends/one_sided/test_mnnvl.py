@@ -305,8 +305,9 @@ QUEUE_GROUPED_TOKENS = 160  # 5 groups per peer, against 2 blocks (split: 1 send
 QUEUE_GROUPED_MODES = {"1": "interleaved", "split:1": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
 
 
-def queue_grouped_worker(env: str, hooks: bool) -> dict:
-    """The forced grouped mode ``env`` on QUEUE_SMS SMs, every payload x scenario twice (both parities)."""
+def queue_grouped_worker(env: str, hooks: str) -> dict:
+    """The forced grouped mode ``env`` on QUEUE_SMS SMs, every payload x scenario twice (both parities);
+    ``hooks``: "none", "all" ranks split their calls with receive hooks, or the even ranks only ("mixed")."""
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     out: dict = {}
@@ -325,17 +326,18 @@ def queue_grouped_worker(env: str, hooks: bool) -> dict:
                     for name, spec in cases.scenarios(world, QUEUE_GROUPED_TOKENS).items():
                         seed += 1
                         key = f"{payload}/{name}"
+                        hooked = hooks == "all" or (hooks == "mixed" and rank % 2 == 0)
                         out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
-                                                                     hooks=hooks)
+                                                                     hooks=hooked)
     finally:
         del os.environ[lay_mod.COMBINE_GROUPED_ENV]
     return out
 
 
-def queue_grouped_graph(env: str) -> dict:
+def queue_grouped_graph(env: str, hooks: bool) -> dict:
     os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
     try:
-        return cases.graph_capture(("mnnvl",), ("standard",), replays=4, max_tokens=QUEUE_GROUPED_TOKENS,
+        return cases.graph_capture(("mnnvl",), ("standard",), replays=4, hooks=hooks, max_tokens=QUEUE_GROUPED_TOKENS,
                                    num_sms=QUEUE_SMS)
     finally:
         del os.environ[lay_mod.COMBINE_GROUPED_ENV]
@@ -344,7 +346,7 @@ def queue_grouped_graph(env: str) -> dict:
 QUEUE_GROUPED = [f"{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, QUEUE_GROUPED_TOKENS)]
 
 
-@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "recv_hooks"])
+@pytest.mark.parametrize("hooks", ["none", "all", "mixed"])
 @pytest.mark.parametrize("env", QUEUE_GROUPED_MODES)
 @pytest.mark.parametrize("case", QUEUE_GROUPED)
 def test_grouped_send_units_taken_from_the_queue_match_oracle(case, env, hooks):
@@ -353,10 +355,11 @@ def test_grouped_send_units_taken_from_the_queue_match_oracle(case, env, hooks):
     _assert_clean(case, f"queue_grouped_{env}_{hooks}", queue_grouped_worker, env, hooks)
 
 
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "recv_hooks"])
 @pytest.mark.parametrize("env", QUEUE_GROUPED_MODES)
 @pytest.mark.parametrize("case", [f"mnnvl/standard/{q}" for q in ("bf16", "fp8")])
-def test_grouped_send_units_taken_from_the_queue_under_cuda_graphs(case, env):
-    _assert_clean(case, f"queue_grouped_graph_{env}", queue_grouped_graph, env)
+def test_grouped_send_units_taken_from_the_queue_under_cuda_graphs(case, env, hooks):
+    _assert_clean(case, f"queue_grouped_graph_{env}_{hooks}", queue_grouped_graph, env, hooks)
 
 
 # -- other dtypes, int64 ids, validation switched off, no host synchronisation ------------------------------

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ep_comm
+from ep_comm.backends.one_sided import layout as lay_mod
 from ep_comm.distributed.spawn import spawn_local
 
 from .. import cases
@@ -40,13 +41,22 @@ def _graph_calls(comm, seed: int, replays: int) -> list[str]:
     return [p for rep in range(replays) for p in graph.replay(seed + 1 + rep)]
 
 
-def shrink_worker(backend: str, victim: int, calls: int) -> dict:
+# the grouped combine forced on, on 2 SMs with 5 groups per peer: most send units come from the queue
+GROUPED_QUEUE = dict(max_tokens=160, num_sms=2)
+
+
+def shrink_worker(backend: str, victim: int, calls: int, grouped: bool = False) -> dict:
     """Every rank: one communicator per layout; loop on the first until the loss shows, then shrink
-    them all and run ``calls`` eager calls and ``calls`` graph replays on each."""
+    them all and run ``calls`` eager calls and ``calls`` graph replays on each.  ``grouped``: the
+    standard layout's combine grouped (interleaved) on GROUPED_QUEUE."""
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     victim %= world
-    comms = [ep_comm.Communicator(cases.make_cfg(world, backend, layout, None, timeout_s=TIMEOUT_S), device=device)
+    if grouped:
+        os.environ[lay_mod.COMBINE_GROUPED_ENV] = "1"
+    kw = GROUPED_QUEUE if grouped else {}
+    comms = [ep_comm.Communicator(cases.make_cfg(world, backend, layout, None, timeout_s=TIMEOUT_S, **kw),
+                                  device=device)
              for layout in LAYOUTS]
     report: dict = {"problems": [], "calls": 0}
     seed = 0
@@ -86,10 +96,10 @@ def shrink_worker(backend: str, victim: int, calls: int) -> dict:
     return report
 
 
-def _run(backend: str, victim: int, calls: int = 50):
+def _run(backend: str, victim: int, calls: int = 50, grouped: bool = False):
     world, env = cases.kernel_test_world(_ngpu())
     victim %= world
-    results = spawn_local(shrink_worker, world, (backend, victim, calls), timeout_s=300, extra_env=env)
+    results = spawn_local(shrink_worker, world, (backend, victim, calls, grouped), timeout_s=300, extra_env=env)
     assert results[victim].exitcode == -signal.SIGKILL, (results[victim].error, results[victim].traceback)
     for r in (r for r in range(world) if r != victim):
         res = results[r]
@@ -106,6 +116,10 @@ def _run(backend: str, victim: int, calls: int = 50):
 @pytest.mark.parametrize("victim", [-1, 0], ids=["last_rank", "rank_0"])
 def test_mnnvl_survivors_shrink_and_go_on(victim):
     _run("mnnvl", victim)
+
+
+def test_mnnvl_survivors_shrink_with_grouped_send_units_from_the_queue():
+    _run("mnnvl", -1, calls=20, grouped=True)
 
 
 @pytest.mark.multigpu
