@@ -243,16 +243,19 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
   // (g + 1) x peers + grid.  Deadlock freedom: a block waits only holding no unit it has not sent, and
   // a waiting block's rank has handed out every unit of the group awaited; so the lowest group any rank
   // awaits has had its units to that rank handed out by every peer, to blocks that send them before
-  // they wait.  When no sum is due the next unit is drawn while this one is sent (a warp other than
-  // warp 0, whose thread 0 then fences and flags while the block goes on); when sums are due it is
-  // drawn after them.
+  // they wait.  When no sum is due the next unit is drawn by the last warp (not warp 0, whose thread 0
+  // fences and flags while the block goes on), before this unit's sends or, near the end of the queue,
+  // after its share; when sums are due it is drawn after them.
   const WorkQueue work{p.c.counters + kStateCombineWork, code, split ? senders : grid, send_units};
   if (sends) open_work(work);
   __shared__ int s_unit[2];  // by iteration parity: the draw ahead of a unit writes while others read
   for (int u = blockIdx.x, it = 0; !summer && u < send_units; ++it) {
     const auto due = [&] { return !split && next_sum < own_groups && (next_sum + 1) * peers + grid <= u; };
     const bool sums = due();
-    if (!sums && warp == kWarps - 1) {
+    // drawn before this unit's sends away from the end of the queue; near it, once the warp's share is
+    // sent, so that a block that drains slowly does not hold a unit a faster one could have taken
+    const bool ahead = !sums && u + 2 * static_cast<int>(work.first) < send_units;
+    if (ahead && warp == kWarps - 1) {
       const int64_t next = next_work(work, lane, deadline, err);
       if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
     }
@@ -262,6 +265,10 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
     const int rows = peer_active(L, src) ? min(kGroupTokens, L.max_tokens - t0) : 0;
     for (int item = warp; item < rows * p.chunks; item += kWarps)
       send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
+    if (!sums && !ahead && warp == kWarps - 1) {
+      const int64_t next = next_work(work, lane, deadline, err);
+      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
+    }
     __syncthreads();
     if (threadIdx.x == 0 && rows > 0) {
       __threadfence_system();  // the block's partials land before the group's flag
