@@ -286,33 +286,9 @@ QUEUE_GROUPED_TOKENS = 160  # 5 groups per peer, against 2 blocks (split: 1 send
 QUEUE_GROUPED_MODES = {"1": "interleaved", "split:1": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
 
 
-def queue_grouped_worker(env: str, hooks: str) -> dict:
-    """The forced grouped mode ``env`` on QUEUE_SMS SMs, every payload x scenario twice (both parities);
-    ``hooks``: "none", "all" ranks split their calls with receive hooks, or the even ranks only ("mixed")."""
-    topo, device = cases.init_rank()
-    world, rank = topo.world_size, topo.rank
-    out: dict = {}
-    seed = 1500
-    os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-    try:
-        for payload in cases.PAYLOADS:
-            cfg = cases.make_cfg(world, "mnnvl", "standard", cases.PAYLOADS[payload][0],
-                                 max_tokens=QUEUE_GROUPED_TOKENS, num_sms=QUEUE_SMS)
-            with ep_comm.Communicator(cfg, device=device) as comm:
-                mode = comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED]
-                if mode != lay_mod.combine_grouped_mode(env, "0", QUEUE_SMS) or mode < 1:
-                    out[f"{payload}/switched_on"] = [f"grouped mode {mode}"]
-                    continue
-                for _ in range(2):
-                    for name, spec in cases.scenarios(world, QUEUE_GROUPED_TOKENS).items():
-                        seed += 1
-                        key = f"{payload}/{name}"
-                        hooked = hooks == "all" or (hooks == "mixed" and rank % 2 == 0)
-                        out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
-                                                                     hooks=hooked)
-    finally:
-        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
-    return out
+def queue_grouped_worker(hooks: str) -> dict:
+    return forced_grouped_worker(QUEUE_GROUPED_MODES, tuple(cases.PAYLOADS), QUEUE_GROUPED_TOKENS, 1500, hooks,
+                                 layouts=("standard",), num_sms=QUEUE_SMS)
 
 
 def queue_grouped_graph(env: str, hooks: bool) -> dict:
@@ -324,16 +300,15 @@ def queue_grouped_graph(env: str, hooks: bool) -> dict:
         del os.environ[lay_mod.COMBINE_GROUPED_ENV]
 
 
-QUEUE_GROUPED = [f"{p}/{s}" for p in cases.PAYLOADS for s in cases.scenarios(2, QUEUE_GROUPED_TOKENS)]
+QUEUE_GROUPED = [f"{m}/standard/{p}/{s}" for m in QUEUE_GROUPED_MODES.values() for p in cases.PAYLOADS
+                 for s in cases.scenarios(2, QUEUE_GROUPED_TOKENS)]
 
 
-@pytest.mark.parametrize("hooks", ["none", "all", "mixed"])
-@pytest.mark.parametrize("env", QUEUE_GROUPED_MODES)
+@pytest.mark.parametrize("hooks", ["none", "all", "even"])
 @pytest.mark.parametrize("case", QUEUE_GROUPED)
-def test_grouped_send_units_taken_from_the_queue_match_oracle(case, env, hooks):
-    assert not [k for k in _run(f"queue_grouped_{env}_{hooks}", queue_grouped_worker, env, hooks)
-                if k.endswith("switched_on")]
-    _assert_clean(case, f"queue_grouped_{env}_{hooks}", queue_grouped_worker, env, hooks)
+def test_grouped_send_units_taken_from_the_queue_match_oracle(case, hooks):
+    assert not [k for k in _run(f"queue_grouped_{hooks}", queue_grouped_worker, hooks) if k.endswith("switched_on")]
+    _assert_clean(case, f"queue_grouped_{hooks}", queue_grouped_worker, hooks)
 
 
 @pytest.mark.parametrize("hooks", [False, True], ids=["plain", "recv_hooks"])
