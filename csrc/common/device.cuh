@@ -357,6 +357,9 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return copysignf(__fmaf_rn(r, inv, q), x);
 }
 
+// Ask the L2 for the cache line holding ``p`` (no register holds the result; a hint only).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
 // consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
 // to every destination.

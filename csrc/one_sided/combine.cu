@@ -79,9 +79,21 @@ __device__ __forceinline__ void accumulate_rows(const T* const* src, const float
   }
 }
 
+// The L2 is asked for the next column block's vectors of ``n`` rows while this block's loads are in
+// flight, so that they are on chip when that block's rounds issue them (no registers held).
+template <typename T, int kSumCols>
+__device__ __forceinline__ void prefetch_columns(const T* const* rows, int n, int c0, int hi) {
+  constexpr int kStep = 8 * kWarpSize;
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+      if (c0 + c * kStep < hi) prefetch_l2(rows[j] + c0 + c * kStep);
+}
+
+// ``prefetch_parts``: the partials are this rank's memory (pushed), not a peer's (pulled over NVLink).
 template <typename Tin, typename Tout>
 __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
-                                         Tout* dst, int lo, int hi, bool vec, int lane) {
+                                         Tout* dst, int lo, int hi, bool vec, bool prefetch_parts, int lane) {
   if (!vec) {
     for (int c = lo + lane; c < hi; c += kWarpSize) {
       float acc = 0.f;
@@ -94,6 +106,11 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
   constexpr int kStep = 8 * kWarpSize;
   constexpr int kSumCols = sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4;  // fp32 accumulators + packs: registers
   for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * kSumCols) {
+    const int next = c0 + kStep * kSumCols;
+    if (next < hi) {
+      prefetch_columns<Tin, kSumCols>(src, n, next, hi);
+      if (prefetch_parts) prefetch_columns<Tout, kSumCols>(part, m, next, hi);
+    }
     float acc[kSumCols][8];
 #pragma unroll
     for (int c = 0; c < kSumCols; ++c)
@@ -126,7 +143,7 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
   // put mode: summed into this rank's staging partial of (src, t), then put to the same place
   const int64_t staged = L.stage_combine_offset + (static_cast<int64_t>(src) * L.max_tokens + t) * L.combine_stride;
   Tout* dst = reinterpret_cast<Tout*>(put_mode(L) ? own_at(p.c, staged) : peer_ptr(p.c, src) + off);
-  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
+  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, false, lane);
   __syncwarp();
   if (put_mode(L)) {
     const int64_t b = static_cast<int64_t>(sizeof(Tout));
@@ -162,7 +179,7 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
   __syncwarp();
   const int n = has_own ? gather_expert_rows<Tin>(p, eo, r, lid, src_rows, w, lane) : 0;
   sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
-                      lo, hi, L.hidden % 8 == 0, lane);
+                      lo, hi, L.hidden % 8 == 0, region != nullptr, lane);
   __syncwarp();
 }
 
