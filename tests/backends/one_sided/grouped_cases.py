@@ -15,9 +15,11 @@ from .. import cases
 
 
 def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: int, hooks: str = "none",
-                          layouts: tuple = ("standard", "batched"), num_sms: Optional[int] = None) -> dict:
+                          layouts: tuple = ("standard", "batched"), num_sms: Optional[int] = None,
+                          hidden: int = cases.HIDDEN) -> dict:
     """``modes``: $EP_COMM_COMBINE_GROUPED value -> case name; ``hooks``: "none", "all" (every rank splits
-    its calls with receive hooks) or "even" (the even ranks only); ``num_sms``: EPConfig.num_sms.  Keys
+    its calls with receive hooks) or "even" (the even ranks only); ``num_sms``: EPConfig.num_sms;
+    ``hidden``: EPConfig.hidden.  Keys
     ``mode/layout/payload/scenario``; ``mode/layout/payload/switched_on`` instead when the mode did not
     take effect."""
     topo, device = cases.init_rank()
@@ -30,7 +32,7 @@ def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: i
             for layout in layouts:
                 for payload in payloads:
                     cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=max_tokens,
-                                         num_sms=num_sms)
+                                         num_sms=num_sms, hidden=hidden)
                     with ep_comm.Communicator(cfg, device=device) as comm:
                         want = lay_mod.combine_grouped_mode(env, "0", comm.num_sms)
                         if comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED] != want or want < 1:
