@@ -2,8 +2,9 @@
 block while summing this one run only where a warp's loop is long, pieces wider than one iteration and
 at least two of them per warp (csrc/one_sided/combine.cu, ``combine_prefetches``).  The other tests'
 256-channel rows never take them; here rows of 2048 channels on 4 SMs with up to 256 tokens per rank
-do, for the ranks with many tokens, next to ranks with few that do not: pushed, pulled (zero copy) and
-grouped combines, every payload, with and without receive hooks.  Skipped without CUDA.
+do, for the ranks with many tokens, next to ranks with few that do not: pushed and pulled (zero copy)
+combines with every payload, with and without receive hooks; grouped ones (interleaved and split) with
+bf16 and fp8, no rank or the even ranks hooked.  Skipped without CUDA.
 """
 from __future__ import annotations
 
