@@ -363,6 +363,10 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
   // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
   // SM, a chain of dependent steps per piece left the SM waiting on latency
   constexpr int kStep = 8 * kWarpSize;
+  // the scales go out 32 at a time, lane j holding the j-th (one coalesced store per destination
+  // instead of two 4-byte stores per 256 channels, which over NVLink are packets of their own)
+  float held = 0.f;
+  int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
   for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
     float f[kQuantAhead][8];
     float amax[kQuantAhead];
@@ -404,11 +408,26 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
       const int c0 = base0 + u * kStep + lane * 8;
-      if (c0 >= hidden) continue;
-      for (int d = 0; d < nd; ++d) {
-        *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
-        if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale[u];
+      if (c0 < hidden)
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
+    }
+    // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float v = __shfl_sync(0xffffffffu, scale[u], 16 * half);
+        if (base0 + u * kStep + half * 128 < hidden) {
+          if (lane == held_n) held = v;
+          ++held_n;
+        }
       }
+    }
+    if (held_n > kWarpSize - 2 * kQuantAhead || base0 + kQuantAhead * kStep >= hidden) {
+      for (int d = 0; d < nd; ++d)
+        if (lane < held_n) dst_s[d][held_base + lane] = held;
+      held_base += held_n;
+      held_n = 0;
     }
   }
 }
