@@ -5,7 +5,9 @@
 // (csrc/common/device.cuh: warp_quant_fp8_multi, warp_copy_multi) over the same shape, one warp per
 // token row, tokens strided over the grid's warps, and takes them apart:
 //
-//   copy_remote         bf16 row copied to a row on GPU 1 (the bf16 dispatch's send)
+//   copy_remote         bf16 row copied to a row on GPU 1 (the bf16 dispatch's send), 16 bytes per lane
+//   copy_remote_8b      the same bytes stored 8 bytes per lane (as fp8 codes go out)
+//   copy_remote_4b      the same bytes stored 4 bytes per lane (as NVFP4 codes go out)
 //   copy_remote_own     the same to GPU 1 and to a local row (with this rank's own copy)
 //   quant_remote        fp8 codes and float scales to a row on GPU 1
 //   quant_remote_own    to GPU 1 and to a local row, one pass (what the fp8 dispatch does)
@@ -14,6 +16,8 @@
 //   quant_l2            codes and scales to one small local row per warp (stores stay in L2: loads and
 //                       the arithmetic alone)
 //   load_only           the bf16 rows read and folded into a register (reads alone)
+//
+// The copy_remote* rows tell whether NVLink stores cost by the byte or by the store instruction.
 //
 // Rows are x: 4096 x 7168 bf16 on GPU 0; destinations 7168 bytes of codes then 56 float scales (fp8) or
 // 14336 bytes (bf16) per row.  Prints `variant blocks p50_us min_us GBps` (GBps: bytes stored per
@@ -45,10 +49,30 @@ constexpr int kScales = kHidden / 128;
 constexpr int64_t kQuantRow = kHidden + kScales * 4;  // codes, then float scales
 constexpr int64_t kCopyRow = kHidden * 2;
 
-enum Variant { kCopyRemote, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn, kQuantScalesLocal, kQuantLocal, kQuantL2,
-               kLoadOnly, kVariants };
-const char* const kNames[kVariants] = {"copy_remote", "copy_remote_own", "quant_remote", "quant_remote_own",
-                                       "quant_scales_local", "quant_local", "quant_l2", "load_only"};
+enum Variant { kCopyRemote, kCopyRemote8, kCopyRemote4, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn,
+               kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kVariants };
+const char* const kNames[kVariants] = {"copy_remote", "copy_remote_8b", "copy_remote_4b", "copy_remote_own",
+                                       "quant_remote", "quant_remote_own", "quant_scales_local", "quant_local",
+                                       "quant_l2", "load_only"};
+
+// a warp's copy of ``bytes`` with T-sized loads and stores per lane, 64 bytes per lane loaded before
+// they are stored (the bytes in flight of warp_copy_multi's send side, whatever T)
+template <typename T>
+__device__ __forceinline__ void warp_copy_as(const uint8_t* src, uint8_t* dst, int64_t bytes, int lane) {
+  constexpr int kU = 64 / static_cast<int>(sizeof(T));
+  const T* s = reinterpret_cast<const T*>(src);
+  T* o = reinterpret_cast<T*>(dst);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(T));
+  for (int64_t base = 0; base < n; base += kU * 32) {
+    T v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + lane + u * 32 < n) v[u] = s[base + lane + u * 32];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + lane + u * 32 < n) o[base + lane + u * 32] = v[u];
+  }
+}
 
 struct Buffers {
   const __nv_bfloat16* x;  // [tokens][hidden] on GPU 0
@@ -75,6 +99,12 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
         const int4 v = s[i];
         fold += __int_as_float(v.x ^ v.y ^ v.z ^ v.w);
       }
+      continue;
+    }
+    if (kV == kCopyRemote8 || kV == kCopyRemote4) {
+      uint8_t* to = b.remote + t * kCopyRow;
+      if (kV == kCopyRemote8) warp_copy_as<uint2>(reinterpret_cast<const uint8_t*>(row), to, kCopyRow, lane);
+      else warp_copy_as<uint32_t>(reinterpret_cast<const uint8_t*>(row), to, kCopyRow, lane);
       continue;
     }
     const bool copy = kV == kCopyRemote || kV == kCopyRemoteOwn;
@@ -113,6 +143,8 @@ void launch(int blocks, const Buffers& b) { send_kernel<kV><<<blocks, kThreads>>
 void run(int v, int blocks, const Buffers& b) {
   switch (v) {
     case kCopyRemote: launch<kCopyRemote>(blocks, b); break;
+    case kCopyRemote8: launch<kCopyRemote8>(blocks, b); break;
+    case kCopyRemote4: launch<kCopyRemote4>(blocks, b); break;
     case kCopyRemoteOwn: launch<kCopyRemoteOwn>(blocks, b); break;
     case kQuantRemote: launch<kQuantRemote>(blocks, b); break;
     case kQuantRemoteOwn: launch<kQuantRemoteOwn>(blocks, b); break;
@@ -231,9 +263,9 @@ int main(int argc, char** argv) {
   for (int nb : blocks) {
     for (int v : variants) {
       const auto [p50, mn] = time_us(v, nb, b);
-      const double per_row = v == kLoadOnly ? kCopyRow
-                             : (v == kCopyRemote || v == kCopyRemoteOwn) ? kCopyRow
-                                                                          : kQuantRow;
+      const bool copy = v == kLoadOnly || v == kCopyRemote || v == kCopyRemote8 || v == kCopyRemote4 ||
+                        v == kCopyRemoteOwn;
+      const double per_row = copy ? kCopyRow : kQuantRow;
       std::printf("%s %d %.1f %.1f %.0f\n", kNames[v], nb, p50, mn, per_row * kTokens / (p50 * 1e3));
     }
   }
