@@ -11,6 +11,7 @@
 //   copy_remote_own     the same to GPU 1 and to a local row (with this rank's own copy)
 //   quant_remote        fp8 codes and float scales to a row on GPU 1
 //   quant_remote_own    to GPU 1 and to a local row, one pass (what the fp8 dispatch does)
+//   quant_remote_staged codes to GPU 1 through a per-warp shared-memory stage, 16 bytes per lane
 //   quant_scales_local  codes to GPU 1, scales to a local row (the 4-byte remote scale stores taken out)
 //   quant_local         codes and scales to a local row (NVLink taken out)
 //   quant_l2            codes and scales to one small local row per warp (stores stay in L2: loads and
@@ -21,8 +22,9 @@
 //
 // Rows are x: 4096 x 7168 bf16 on GPU 0; destinations 7168 bytes of codes then 56 float scales (fp8) or
 // 14336 bytes (bf16) per row.  Prints `variant blocks p50_us min_us GBps` (GBps: bytes stored per
-// destination row set / p50, or bytes read for load_only), then `done`.  quant_remote's codes and
-// scales are compared with quant_local's, byte for byte; exit code 1 on a difference.
+// destination row set / p50, or bytes read for load_only), then `done`.  quant_remote's and
+// quant_remote_staged's codes and scales are compared with quant_local's, byte for byte; exit code 1 on
+// a difference.
 //
 // Build and run (2 GPUs, no torch; csrc/common/protocol_table.h comes from the library's build,
 // `python3 -m pip install --no-build-isolation --no-deps -e .`):
@@ -50,10 +52,10 @@ constexpr int64_t kQuantRow = kHidden + kScales * 4;  // codes, then float scale
 constexpr int64_t kCopyRow = kHidden * 2;
 
 enum Variant { kCopyRemote, kCopyRemote8, kCopyRemote4, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn,
-               kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kVariants };
+               kQuantRemoteStaged, kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kVariants };
 const char* const kNames[kVariants] = {"copy_remote", "copy_remote_8b", "copy_remote_4b", "copy_remote_own",
-                                       "quant_remote", "quant_remote_own", "quant_scales_local", "quant_local",
-                                       "quant_l2", "load_only"};
+                                       "quant_remote", "quant_remote_own", "quant_remote_staged",
+                                       "quant_scales_local", "quant_local", "quant_l2", "load_only"};
 
 // a warp's copy of ``bytes`` with T-sized loads and stores per lane, 64 bytes per lane loaded before
 // they are stored (the bytes in flight of warp_copy_multi's send side, whatever T)
@@ -84,6 +86,7 @@ struct Buffers {
 
 template <int kV>
 __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
+  __shared__ __align__(16) uint8_t s_stage[kWarps][ep_comm::kQuantStageBytes];
   __shared__ uint8_t* s_dst[kWarps][2];
   __shared__ float* s_scl[kWarps][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -117,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
       switch (kV) {
         case kCopyRemote: dst[0] = remote; break;
         case kCopyRemoteOwn: dst[0] = remote; dst[1] = local; nd = 2; break;
-        case kQuantRemote: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden); break;
+        case kQuantRemote:
+        case kQuantRemoteStaged: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden); break;
         case kQuantRemoteOwn:
           dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden);
           dst[1] = local; scl[1] = reinterpret_cast<float*>(local + kHidden);
@@ -131,7 +135,9 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
     nd = __shfl_sync(0xffffffffu, nd, 0);
     __syncwarp();
     if (copy) ep_comm::warp_copy_multi<false>(reinterpret_cast<const uint8_t*>(row), dst, nd, kCopyRow, lane);
-    else ep_comm::warp_quant_fp8_multi<__nv_bfloat16>(row, kHidden, dst, scl, nd, lane);
+    else
+      ep_comm::warp_quant_fp8_multi<__nv_bfloat16>(row, kHidden, dst, scl, nd, lane,
+                                                   kV == kQuantRemoteStaged ? s_stage[warp] : nullptr);
     __syncwarp();
   }
   if (kV == kLoadOnly && lane == 0) b.sink[gwarp] = fold;
@@ -148,6 +154,7 @@ void run(int v, int blocks, const Buffers& b) {
     case kCopyRemoteOwn: launch<kCopyRemoteOwn>(blocks, b); break;
     case kQuantRemote: launch<kQuantRemote>(blocks, b); break;
     case kQuantRemoteOwn: launch<kQuantRemoteOwn>(blocks, b); break;
+    case kQuantRemoteStaged: launch<kQuantRemoteStaged>(blocks, b); break;
     case kQuantScalesLocal: launch<kQuantScalesLocal>(blocks, b); break;
     case kQuantLocal: launch<kQuantLocal>(blocks, b); break;
     case kQuantL2: launch<kQuantL2>(blocks, b); break;
@@ -248,15 +255,16 @@ int main(int argc, char** argv) {
   b.sink = sink;
 
   bool ok = true;
-  {  // quant_remote and quant_local write the same bytes
-    run(kQuantRemote, blocks[0], b);
+  for (int v : {kQuantRemote, kQuantRemoteStaged}) {  // the same bytes as quant_local
+    CK(cudaMemset(remote, 0, kTokens * row_max));
+    run(v, blocks[0], b);
     run(kQuantLocal, blocks[0], b);
     CK(cudaDeviceSynchronize());
     std::vector<uint8_t> r(kTokens * kQuantRow), l(kTokens * kQuantRow);
     CK(cudaMemcpy(r.data(), remote, r.size(), cudaMemcpyDefault));
     CK(cudaMemcpy(l.data(), local, l.size(), cudaMemcpyDefault));
     const bool same = r == l;
-    std::printf("check quant_remote == quant_local: %s\n", same ? "identical" : "DIFFERENT");
+    std::printf("check %s == quant_local: %s\n", kNames[v], same ? "identical" : "DIFFERENT");
     ok = ok && same;
   }
   std::printf("variant blocks p50_us min_us GBps\n");

@@ -353,12 +353,38 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return copysignf(__fmaf_rn(r, inv, q), x);
 }
 
+// Bytes a warp's quantiser stages per step: kQuantAhead pieces of 256 channels of fp8 codes (NVFP4: half
+// of it for codes, then its e4m3 scales).
+constexpr int kQuantStageBytes = kQuantAhead * 8 * kWarpSize;
+
+// The warp's ``n`` staged bytes (a multiple of 16, ``stage`` 16-byte aligned) to each of ``nd``
+// destinations at byte ``at``, 16 bytes per lane: a remote store instruction carries 512 bytes instead
+// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  Between two __syncwarp, so that the
+// lanes' staging is complete and the next step does not overwrite what is being read.
+__device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_t* const* dst, int nd, int at,
+                                             int lane) {
+  __syncwarp();
+  for (int i = lane * 16; i < n; i += kWarpSize * 16) {
+    const int4 v = *reinterpret_cast<const int4*>(stage + i);
+    for (int d = 0; d < nd; ++d) *reinterpret_cast<int4*>(dst[d] + at + i) = v;
+  }
+  __syncwarp();
+}
+
+// Whether every destination can take 16-byte stores at offsets that are multiples of 16.
+__device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) {
+  uintptr_t a = 0;
+  for (int d = 0; d < nd; ++d) a |= reinterpret_cast<uintptr_t>(dst[d]);
+  return (a & 15) == 0;
+}
+
 // One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
 // consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
 // to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
-                                                     float* const* dst_s, int nd, int lane) {
+                                                     float* const* dst_s, int nd, int lane,
+                                                     uint8_t* stage = nullptr) {
   // kQuantAhead pieces of 256 channels at a time, each step over all of them before the next (loads,
   // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
   // SM, a chain of dependent steps per piece left the SM waiting on latency
@@ -367,6 +393,8 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
   // instead of two 4-byte stores per 256 channels, which over NVLink are packets of their own)
   float held = 0.f;
   int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
+  // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it
+  const bool staged = stage != nullptr && aligned16(dst_q, nd);
   for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
     float f[kQuantAhead][8];
     float amax[kQuantAhead];
@@ -408,9 +436,12 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
       const int c0 = base0 + u * kStep + lane * 8;
-      if (c0 < hidden)
+      if (c0 >= hidden) continue;
+      if (staged) *reinterpret_cast<uint2*>(stage + u * kStep + lane * 8) = packed[u];
+      else
         for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
     }
+    if (staged) store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
     // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -472,9 +503,13 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 // any alignment) to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
-                                                       uint8_t* const* dst_s, int nd, int lane) {
+                                                       uint8_t* const* dst_s, int nd, int lane,
+                                                       uint8_t* stage = nullptr) {
   // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
-  // in flight left the loop waiting on memory latency once per piece
+  // in flight left the loop waiting on memory latency once per piece.  With ``stage`` (kQuantStageBytes
+  // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
+  constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
+  const bool staged = stage != nullptr && channels % 256 == 0 && aligned16(dst_q, nd) && aligned16(dst_s, nd);
   for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
     float f[kQuantAhead][8];
 #pragma unroll
@@ -503,10 +538,20 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
       uint32_t packed = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[u][i], os)) << (4 * i);
+      if (staged) {
+        *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
+        if ((lane & 1) == 0) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+        continue;
+      }
       for (int d = 0; d < nd; ++d) {
         *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
         if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
       }
+    }
+    if (staged) {  // codes, then scales: multiples of 16 bytes each, as channels % 256 == 0
+      const int n = min(kQuantAhead * 8 * kWarpSize, channels - base0);
+      store_staged(stage, n / 2, dst_q, nd, base0 / 2, lane);
+      store_staged(stage + kCodes, n / kNvfp4Block, dst_s, nd, base0 / kNvfp4Block, lane);
     }
   }
 }

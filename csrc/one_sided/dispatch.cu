@@ -153,7 +153,7 @@ constexpr int kQuantIn = kIsNvfp4<kQuant> ? kQuant - kDispatchNvfp4 : kQuant;
 // a copied row's piece with lo == 0 all of its carried scales.
 template <int kQuant>
 __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
-                                             uint8_t** dst_s, int nd, int lane) {
+                                             uint8_t** dst_s, int nd, int lane, uint8_t* stage) {
   constexpr int kIn = kQuantIn<kQuant>;
   using QuantIn = typename std::conditional<kIn == kFp16, __half,
                   typename std::conditional<kIn == kFp32, float, __nv_bfloat16>::type>::type;
@@ -170,10 +170,10 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
     const QuantIn* row = reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes);
     if (kIsNvfp4<kQuant>) {
       warp_quant_nvfp4_multi<QuantIn>(row + 2 * lo, static_cast<int>(2 * (hi - lo)), __ldg(p.global_scale), dst, dst_s,
-                                      nd, lane);
+                                      nd, lane, stage);
     } else {
       warp_quant_fp8_multi<QuantIn>(row + lo, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
-                                    lane);
+                                    lane, stage);
     }
   } else {
     const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
@@ -326,6 +326,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   extern __shared__ int s_prefix[];  // receive: [world] token counts, [world][num_local] counts and slot bases
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
+  // quantised rows leave through a per-warp stage, 16 bytes per lane (device.cuh, store_staged)
+  __shared__ __align__(16) uint8_t s_stage[kWarps][kQuant >= 0 ? kQuantStageBytes : 16];
+  uint8_t* const stage = kQuant >= 0 ? s_stage[warp] : nullptr;
 
   if (p.phases & kPhaseSend) {
   // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
@@ -410,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     const int64_t lo = chunk * p.chunk_bytes;
     const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane);
+    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane, stage);
     if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
     if (has_own && own_after) {
       if (L.batched && chunk > 0) {
@@ -419,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
       }
       const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
-      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane);
+      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, stage);
     }
   }
 
