@@ -256,7 +256,9 @@ int main(int argc, char** argv) {
 
   bool ok = true;
   for (int v : {kQuantRemote, kQuantRemoteStaged}) {  // the same bytes as quant_local
+    CK(cudaSetDevice(1));
     CK(cudaMemset(remote, 0, kTokens * row_max));
+    CK(cudaSetDevice(0));
     run(v, blocks[0], b);
     run(kQuantLocal, blocks[0], b);
     CK(cudaDeviceSynchronize());

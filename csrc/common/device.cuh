@@ -359,16 +359,14 @@ constexpr int kQuantStageBytes = kQuantAhead * 8 * kWarpSize;
 
 // The warp's ``n`` staged bytes (a multiple of 16, ``stage`` 16-byte aligned) to each of ``nd``
 // destinations at byte ``at``, 16 bytes per lane: a remote store instruction carries 512 bytes instead
-// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  Between two __syncwarp, so that the
-// lanes' staging is complete and the next step does not overwrite what is being read.
+// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  The caller brackets it with __syncwarp, so
+// that the lanes' staging is complete and the next step does not overwrite what is being read.
 __device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_t* const* dst, int nd, int at,
                                              int lane) {
-  __syncwarp();
   for (int i = lane * 16; i < n; i += kWarpSize * 16) {
     const int4 v = *reinterpret_cast<const int4*>(stage + i);
     for (int d = 0; d < nd; ++d) *reinterpret_cast<int4*>(dst[d] + at + i) = v;
   }
-  __syncwarp();
 }
 
 // Whether every destination can take 16-byte stores at offsets that are multiples of 16.
@@ -441,7 +439,11 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
       else
         for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
     }
-    if (staged) store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
+    if (staged) {
+      __syncwarp();
+      store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
+      __syncwarp();
+    }
     // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -509,8 +511,11 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
   // in flight left the loop waiting on memory latency once per piece.  With ``stage`` (kQuantStageBytes
   // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
   constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
-  const bool staged = stage != nullptr && channels % 256 == 0 && aligned16(dst_q, nd) && aligned16(dst_s, nd);
+  const bool codes_ok = stage != nullptr && aligned16(dst_q, nd), scales_ok = stage != nullptr && aligned16(dst_s, nd);
   for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
+    // per step: staged where the step's bytes are whole 16-byte vectors (codes: n % 32, scales: n % 256)
+    const int n = min(kQuantAhead * 8 * kWarpSize, channels - base0);
+    const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
     float f[kQuantAhead][8];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -538,20 +543,20 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
       uint32_t packed = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[u][i], os)) << (4 * i);
-      if (staged) {
-        *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
-        if ((lane & 1) == 0) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
-        continue;
-      }
-      for (int d = 0; d < nd; ++d) {
-        *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
-        if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+      if (codes_staged) *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
+      else
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
+      if ((lane & 1) == 0) {
+        if (scales_staged) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+        else
+          for (int d = 0; d < nd; ++d) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
       }
     }
-    if (staged) {  // codes, then scales: multiples of 16 bytes each, as channels % 256 == 0
-      const int n = min(kQuantAhead * 8 * kWarpSize, channels - base0);
-      store_staged(stage, n / 2, dst_q, nd, base0 / 2, lane);
-      store_staged(stage + kCodes, n / kNvfp4Block, dst_s, nd, base0 / kNvfp4Block, lane);
+    if (codes_staged || scales_staged) {
+      __syncwarp();
+      if (codes_staged) store_staged(stage, n / 2, dst_q, nd, base0 / 2, lane);
+      if (scales_staged) store_staged(stage + kCodes, n / kNvfp4Block, dst_s, nd, base0 / kNvfp4Block, lane);
+      __syncwarp();
     }
   }
 }
