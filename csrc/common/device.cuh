@@ -357,6 +357,29 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return copysignf(__fmaf_rn(r, inv, q), x);
 }
 
+// Bytes a warp's quantiser stages per step: kQuantAhead pieces of 256 channels of fp8 codes (NVFP4: half
+// of it for codes, then its e4m3 scales).
+constexpr int kQuantStageBytes = kQuantAhead * 8 * kWarpSize;
+
+// The warp's ``n`` staged bytes (a multiple of 16, ``stage`` 16-byte aligned) to each of ``nd``
+// destinations at byte ``at``, 16 bytes per lane: a remote store instruction carries 512 bytes instead
+// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  The caller brackets it with __syncwarp, so
+// that the lanes' staging is complete and the next step does not overwrite what is being read.
+__device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_t* const* dst, int nd, int at,
+                                             int lane) {
+  for (int i = lane * 16; i < n; i += kWarpSize * 16) {
+    const int4 v = *reinterpret_cast<const int4*>(stage + i);
+    for (int d = 0; d < nd; ++d) *reinterpret_cast<int4*>(dst[d] + at + i) = v;
+  }
+}
+
+// Whether every destination can take 16-byte stores at offsets that are multiples of 16.
+__device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) {
+  uintptr_t a = 0;
+  for (int d = 0; d < nd; ++d) a |= reinterpret_cast<uintptr_t>(dst[d]);
+  return (a & 15) == 0;
+}
+
 // Ask the L2 for the cache line holding ``p`` (no register holds the result; a hint only).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
@@ -365,11 +388,18 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
-                                                     float* const* dst_s, int nd, int lane) {
+                                                     float* const* dst_s, int nd, int lane,
+                                                     uint8_t* stage = nullptr) {
   // kQuantAhead pieces of 256 channels at a time, each step over all of them before the next (loads,
   // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
   // SM, a chain of dependent steps per piece left the SM waiting on latency
   constexpr int kStep = 8 * kWarpSize;
+  // the scales go out 32 at a time, lane j holding the j-th (one coalesced store per destination
+  // instead of two 4-byte stores per 256 channels, which over NVLink are packets of their own)
+  float held = 0.f;
+  int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
+  // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it
+  const bool staged = stage != nullptr && aligned16(dst_q, nd);
   for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
     float f[kQuantAhead][8];
     float amax[kQuantAhead];
@@ -412,10 +442,32 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
     for (int u = 0; u < kQuantAhead; ++u) {
       const int c0 = base0 + u * kStep + lane * 8;
       if (c0 >= hidden) continue;
-      for (int d = 0; d < nd; ++d) {
-        *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
-        if ((lane & 15) == 0) dst_s[d][c0 / 128] = scale[u];
+      if (staged) *reinterpret_cast<uint2*>(stage + u * kStep + lane * 8) = packed[u];
+      else
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
+    }
+    if (staged) {
+      __syncwarp();
+      store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
+      __syncwarp();
+    }
+    // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float v = __shfl_sync(0xffffffffu, scale[u], 16 * half);
+        if (base0 + u * kStep + half * 128 < hidden) {
+          if (lane == held_n) held = v;
+          ++held_n;
+        }
       }
+    }
+    if (held_n > kWarpSize - 2 * kQuantAhead || base0 + kQuantAhead * kStep >= hidden) {
+      for (int d = 0; d < nd; ++d)
+        if (lane < held_n) dst_s[d][held_base + lane] = held;
+      held_base += held_n;
+      held_n = 0;
     }
   }
 }
@@ -460,10 +512,17 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 // any alignment) to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
-                                                       uint8_t* const* dst_s, int nd, int lane) {
+                                                       uint8_t* const* dst_s, int nd, int lane,
+                                                       uint8_t* stage = nullptr) {
   // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
-  // in flight left the loop waiting on memory latency once per piece
+  // in flight left the loop waiting on memory latency once per piece.  With ``stage`` (kQuantStageBytes
+  // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
+  constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
+  const bool codes_ok = stage != nullptr && aligned16(dst_q, nd), scales_ok = stage != nullptr && aligned16(dst_s, nd);
   for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
+    // per step: staged where the step's bytes are whole 16-byte vectors (codes: n % 32, scales: n % 256)
+    const int n = min(kQuantAhead * 8 * kWarpSize, channels - base0);
+    const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
     float f[kQuantAhead][8];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -491,10 +550,20 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
       uint32_t packed = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[u][i], os)) << (4 * i);
-      for (int d = 0; d < nd; ++d) {
-        *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
-        if ((lane & 1) == 0) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+      if (codes_staged) *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
+      else
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
+      if ((lane & 1) == 0) {
+        if (scales_staged) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+        else
+          for (int d = 0; d < nd; ++d) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
       }
+    }
+    if (codes_staged || scales_staged) {
+      __syncwarp();
+      if (codes_staged) store_staged(stage, n / 2, dst_q, nd, base0 / 2, lane);
+      if (scales_staged) store_staged(stage + kCodes, n / kNvfp4Block, dst_s, nd, base0 / kNvfp4Block, lane);
+      __syncwarp();
     }
   }
 }

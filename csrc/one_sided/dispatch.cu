@@ -1,5 +1,6 @@
 // One-sided dispatch: one launch per call (send, signal, wait, lay out), or two with a receive hook
 // (phases in protocol.h).  Also the abort kernel.
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <type_traits>
@@ -153,7 +154,7 @@ constexpr int kQuantIn = kIsNvfp4<kQuant> ? kQuant - kDispatchNvfp4 : kQuant;
 // a copied row's piece with lo == 0 all of its carried scales.
 template <int kQuant>
 __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int64_t lo, int64_t hi, uint8_t** dst,
-                                             uint8_t** dst_s, int nd, int lane) {
+                                             uint8_t** dst_s, int nd, int lane, uint8_t* quant_stage) {
   constexpr int kIn = kQuantIn<kQuant>;
   using QuantIn = typename std::conditional<kIn == kFp16, __half,
                   typename std::conditional<kIn == kFp32, float, __nv_bfloat16>::type>::type;
@@ -170,10 +171,10 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
     const QuantIn* row = reinterpret_cast<const QuantIn*>(static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes);
     if (kIsNvfp4<kQuant>) {
       warp_quant_nvfp4_multi<QuantIn>(row + 2 * lo, static_cast<int>(2 * (hi - lo)), __ldg(p.global_scale), dst, dst_s,
-                                      nd, lane);
+                                      nd, lane, quant_stage);
     } else {
       warp_quant_fp8_multi<QuantIn>(row + lo, static_cast<int>(hi - lo), dst, reinterpret_cast<float* const*>(dst_s), nd,
-                                    lane);
+                                    lane, quant_stage);
     }
   } else {
     const uint8_t* src = static_cast<const uint8_t*>(p.x) + static_cast<int64_t>(t) * p.x_row_bytes + lo;
@@ -323,7 +324,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   __shared__ uint8_t* s_dst[kWarps][kMaxTopK];    // per warp: destination payloads
   __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
-  extern __shared__ int s_prefix[];  // receive: [world] token counts, [world][num_local] counts and slot bases
+  // dynamic shared memory: while sending, the quantising kernels' per-warp stages (their rows leave
+  // through them 16 bytes per lane: device.cuh, store_staged); while receiving, [world] token counts and
+  // [world][num_local] counts and slot bases.  grid_arrive's barrier lies between the two uses.
+  extern __shared__ __align__(16) int s_prefix[];
+  uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
 
@@ -410,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     const int64_t lo = chunk * p.chunk_bytes;
     const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane);
+    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane, quant_stage);
     if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
     if (has_own && own_after) {
       if (L.batched && chunk > 0) {
@@ -419,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
       }
       const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
-      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane);
+      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
     }
   }
 
@@ -626,8 +631,11 @@ cudaError_t allow_dispatch_smem(size_t bytes) {
 
 template <int kQuant, bool kIds64>
 cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  // only the receive half uses the dynamic shared memory; a send half leaves it to L1
-  const size_t smem = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
+  // the receive half's arrays, or (quantising, sending) the warps' stages, whichever is larger; a
+  // launch that needs neither leaves the shared memory to L1
+  const size_t recv = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
+  const size_t stages = kQuant >= 0 && (p.phases & kPhaseSend) ? static_cast<size_t>(kWarps) * kQuantStageBytes : 0;
+  const size_t smem = std::max(recv, stages);
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
     const cudaError_t e = allow_dispatch_smem<kQuant, kIds64>(smem);
     if (e != cudaSuccess) return e;

@@ -1,0 +1,284 @@
+// The quantising send of a prefill dispatch: what bounds it on 24 SMs?
+//
+// At EP2, 4096 tokens, the fp8 dispatch's sends take about as long as the bf16 ones although they
+// store half the bytes (docs/performance.md).  This program runs the library's own per-warp routines
+// (csrc/common/device.cuh: warp_quant_fp8_multi, warp_copy_multi) over the same shape, one warp per
+// token row, tokens strided over the grid's warps, and takes them apart:
+//
+//   copy_remote         bf16 row copied to a row on GPU 1 (the bf16 dispatch's send), 16 bytes per lane
+//   copy_remote_8b      the same bytes stored 8 bytes per lane (as fp8 codes go out)
+//   copy_remote_4b      the same bytes stored 4 bytes per lane (as NVFP4 codes go out)
+//   copy_remote_own     the same to GPU 1 and to a local row (with this rank's own copy)
+//   quant_remote        fp8 codes and float scales to a row on GPU 1
+//   quant_remote_own    to GPU 1 and to a local row, one pass (what the fp8 dispatch does)
+//   quant_remote_staged codes to GPU 1 through a per-warp shared-memory stage, 16 bytes per lane
+//   quant_scales_local  codes to GPU 1, scales to a local row (the 4-byte remote scale stores taken out)
+//   quant_local         codes and scales to a local row (NVLink taken out)
+//   quant_l2            codes and scales to one small local row per warp (stores stay in L2: loads and
+//                       the arithmetic alone)
+//   load_only           the bf16 rows read and folded into a register (reads alone)
+//
+// The copy_remote* rows tell whether NVLink stores cost by the byte or by the store instruction.
+//
+// Rows are x: 4096 x 7168 bf16 on GPU 0; destinations 7168 bytes of codes then 56 float scales (fp8) or
+// 14336 bytes (bf16) per row.  Prints `variant blocks p50_us min_us GBps` (GBps: bytes stored per
+// destination row set / p50, or bytes read for load_only), then `done`.  quant_remote's and
+// quant_remote_staged's codes and scales are compared with quant_local's, byte for byte; exit code 1 on
+// a difference.
+//
+// Build and run (2 GPUs, no torch; csrc/common/protocol_table.h comes from the library's build,
+// `python3 -m pip install --no-build-isolation --no-deps -e .`):
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc bench/microbench/quant_send.cu -o qs && ./qs
+//   options: --blocks 24,32 --variants quant_remote,quant_local
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "check.cuh"
+#include "common/device.cuh"
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kHidden = 7168;
+constexpr int kTokens = 4096;
+constexpr int kScales = kHidden / 128;
+constexpr int64_t kQuantRow = kHidden + kScales * 4;  // codes, then float scales
+constexpr int64_t kCopyRow = kHidden * 2;
+
+enum Variant { kCopyRemote, kCopyRemote8, kCopyRemote4, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn,
+               kQuantRemoteStaged, kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kVariants };
+const char* const kNames[kVariants] = {"copy_remote", "copy_remote_8b", "copy_remote_4b", "copy_remote_own",
+                                       "quant_remote", "quant_remote_own", "quant_remote_staged",
+                                       "quant_scales_local", "quant_local", "quant_l2", "load_only"};
+
+// a warp's copy of ``bytes`` with T-sized loads and stores per lane, 64 bytes per lane loaded before
+// they are stored (the bytes in flight of warp_copy_multi's send side, whatever T)
+template <typename T>
+__device__ __forceinline__ void warp_copy_as(const uint8_t* src, uint8_t* dst, int64_t bytes, int lane) {
+  constexpr int kU = 64 / static_cast<int>(sizeof(T));
+  const T* s = reinterpret_cast<const T*>(src);
+  T* o = reinterpret_cast<T*>(dst);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(T));
+  for (int64_t base = 0; base < n; base += kU * 32) {
+    T v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + lane + u * 32 < n) v[u] = s[base + lane + u * 32];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + lane + u * 32 < n) o[base + lane + u * 32] = v[u];
+  }
+}
+
+struct Buffers {
+  const __nv_bfloat16* x;  // [tokens][hidden] on GPU 0
+  uint8_t* remote;         // [tokens][row] on GPU 1
+  uint8_t* local;          // [tokens][row] on GPU 0
+  uint8_t* scratch;        // [warps][row] on GPU 0
+  float* sink;             // [warps] on GPU 0
+};
+
+template <int kV>
+__global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
+  __shared__ __align__(16) uint8_t s_stage[kWarps][ep_comm::kQuantStageBytes];
+  __shared__ uint8_t* s_dst[kWarps][2];
+  __shared__ float* s_scl[kWarps][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  uint8_t** dst = s_dst[warp];
+  float** scl = s_scl[warp];
+  float fold = 0.f;
+  for (int t = gwarp; t < kTokens; t += nwarps) {
+    const __nv_bfloat16* row = b.x + static_cast<int64_t>(t) * kHidden;
+    if (kV == kLoadOnly) {
+      const int4* s = reinterpret_cast<const int4*>(row);
+      for (int i = lane; i < kHidden / 8; i += 32) {
+        const int4 v = s[i];
+        fold += __int_as_float(v.x ^ v.y ^ v.z ^ v.w);
+      }
+      continue;
+    }
+    if (kV == kCopyRemote8 || kV == kCopyRemote4) {
+      uint8_t* to = b.remote + t * kCopyRow;
+      if (kV == kCopyRemote8) warp_copy_as<uint2>(reinterpret_cast<const uint8_t*>(row), to, kCopyRow, lane);
+      else warp_copy_as<uint32_t>(reinterpret_cast<const uint8_t*>(row), to, kCopyRow, lane);
+      continue;
+    }
+    const bool copy = kV == kCopyRemote || kV == kCopyRemoteOwn;
+    const int64_t stride = copy ? kCopyRow : kQuantRow;
+    uint8_t* remote = b.remote + t * stride;
+    uint8_t* local = b.local + t * stride;
+    uint8_t* scratch = b.scratch + static_cast<int64_t>(gwarp) * kQuantRow;
+    int nd = 1;
+    if (lane == 0) {
+      switch (kV) {
+        case kCopyRemote: dst[0] = remote; break;
+        case kCopyRemoteOwn: dst[0] = remote; dst[1] = local; nd = 2; break;
+        case kQuantRemote:
+        case kQuantRemoteStaged: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden); break;
+        case kQuantRemoteOwn:
+          dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden);
+          dst[1] = local; scl[1] = reinterpret_cast<float*>(local + kHidden);
+          nd = 2;
+          break;
+        case kQuantScalesLocal: dst[0] = remote; scl[0] = reinterpret_cast<float*>(local + kHidden); break;
+        case kQuantLocal: dst[0] = local; scl[0] = reinterpret_cast<float*>(local + kHidden); break;
+        default: dst[0] = scratch; scl[0] = reinterpret_cast<float*>(scratch + kHidden); break;
+      }
+    }
+    nd = __shfl_sync(0xffffffffu, nd, 0);
+    __syncwarp();
+    if (copy) ep_comm::warp_copy_multi<false>(reinterpret_cast<const uint8_t*>(row), dst, nd, kCopyRow, lane);
+    else
+      ep_comm::warp_quant_fp8_multi<__nv_bfloat16>(row, kHidden, dst, scl, nd, lane,
+                                                   kV == kQuantRemoteStaged ? s_stage[warp] : nullptr);
+    __syncwarp();
+  }
+  if (kV == kLoadOnly && lane == 0) b.sink[gwarp] = fold;
+}
+
+template <int kV>
+void launch(int blocks, const Buffers& b) { send_kernel<kV><<<blocks, kThreads>>>(b); }
+
+void run(int v, int blocks, const Buffers& b) {
+  switch (v) {
+    case kCopyRemote: launch<kCopyRemote>(blocks, b); break;
+    case kCopyRemote8: launch<kCopyRemote8>(blocks, b); break;
+    case kCopyRemote4: launch<kCopyRemote4>(blocks, b); break;
+    case kCopyRemoteOwn: launch<kCopyRemoteOwn>(blocks, b); break;
+    case kQuantRemote: launch<kQuantRemote>(blocks, b); break;
+    case kQuantRemoteOwn: launch<kQuantRemoteOwn>(blocks, b); break;
+    case kQuantRemoteStaged: launch<kQuantRemoteStaged>(blocks, b); break;
+    case kQuantScalesLocal: launch<kQuantScalesLocal>(blocks, b); break;
+    case kQuantLocal: launch<kQuantLocal>(blocks, b); break;
+    case kQuantL2: launch<kQuantL2>(blocks, b); break;
+    default: launch<kLoadOnly>(blocks, b); break;
+  }
+  CK(cudaGetLastError());
+}
+
+// p50 and min of ``reps`` launches (after 3 untimed), µs
+std::pair<float, float> time_us(int v, int blocks, const Buffers& b, int reps = 20) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) run(v, blocks, b);
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0));
+    run(v, blocks, b);
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    ts.push_back(ms * 1000.f);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(ts.begin(), ts.end());
+  return {ts[ts.size() / 2], ts.front()};
+}
+
+std::vector<std::string> split(const char* s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char* p = s; *p; ++p) {
+    if (*p == ',') { out.push_back(cur); cur.clear(); } else { cur += *p; }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+int main(int argc, char** argv) {
+  std::vector<int> blocks = {24};
+  std::vector<int> variants;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--blocks")) {
+      blocks.clear();
+      for (const auto& s : split(argv[i + 1])) blocks.push_back(std::stoi(s));
+    } else if (!std::strcmp(argv[i], "--variants")) {
+      for (const auto& s : split(argv[i + 1]))
+        for (int v = 0; v < kVariants; ++v)
+          if (s == kNames[v]) variants.push_back(v);
+    }
+  }
+  if (variants.empty())
+    for (int v = 0; v < kVariants; ++v) variants.push_back(v);
+  int ngpu = 0;
+  CK(cudaGetDeviceCount(&ngpu));
+  if (ngpu < 2) {
+    std::fprintf(stderr, "needs 2 GPUs (found %d)\n", ngpu);
+    return 1;
+  }
+  int can = 0;
+  CK(cudaDeviceCanAccessPeer(&can, 0, 1));
+  if (!can) {
+    std::fprintf(stderr, "GPU 0 cannot access GPU 1\n");
+    return 1;
+  }
+  Buffers b{};
+  const int64_t row_max = std::max(kQuantRow, kCopyRow);
+  CK(cudaSetDevice(1));
+  uint8_t* remote = nullptr;
+  CK(cudaMalloc(&remote, kTokens * row_max));
+  CK(cudaMemset(remote, 0, kTokens * row_max));
+  CK(cudaSetDevice(0));
+  CK(cudaDeviceEnablePeerAccess(1, 0));
+  __nv_bfloat16* x = nullptr;
+  uint8_t *local = nullptr, *scratch = nullptr;
+  float* sink = nullptr;
+  const int max_warps = *std::max_element(blocks.begin(), blocks.end()) * kWarps;
+  CK(cudaMalloc(&x, static_cast<size_t>(kTokens) * kHidden * 2));
+  CK(cudaMalloc(&local, kTokens * row_max));
+  CK(cudaMalloc(&scratch, max_warps * kQuantRow));
+  CK(cudaMalloc(&sink, max_warps * sizeof(float)));
+  {  // inputs: normal-ish values with a spread of magnitudes per 128-channel block, fixed seed
+    std::vector<__nv_bfloat16> h(static_cast<size_t>(kTokens) * kHidden);
+    uint32_t s = 12345u;
+    for (size_t i = 0; i < h.size(); ++i) {
+      s = s * 1664525u + 1013904223u;
+      const float u = static_cast<float>(s >> 8) / 16777216.f - 0.5f;
+      h[i] = __float2bfloat16(u * static_cast<float>(1 << ((i / 128) % 8)));
+    }
+    CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  }
+  b.x = x;
+  b.remote = remote;
+  b.local = local;
+  b.scratch = scratch;
+  b.sink = sink;
+
+  bool ok = true;
+  for (int v : {kQuantRemote, kQuantRemoteStaged}) {  // the same bytes as quant_local
+    CK(cudaSetDevice(1));
+    CK(cudaMemset(remote, 0, kTokens * row_max));
+    CK(cudaSetDevice(0));
+    run(v, blocks[0], b);
+    run(kQuantLocal, blocks[0], b);
+    CK(cudaDeviceSynchronize());
+    std::vector<uint8_t> r(kTokens * kQuantRow), l(kTokens * kQuantRow);
+    CK(cudaMemcpy(r.data(), remote, r.size(), cudaMemcpyDefault));
+    CK(cudaMemcpy(l.data(), local, l.size(), cudaMemcpyDefault));
+    const bool same = r == l;
+    std::printf("check %s == quant_local: %s\n", kNames[v], same ? "identical" : "DIFFERENT");
+    ok = ok && same;
+  }
+  std::printf("variant blocks p50_us min_us GBps\n");
+  for (int nb : blocks) {
+    for (int v : variants) {
+      const auto [p50, mn] = time_us(v, nb, b);
+      const bool copy = v == kLoadOnly || v == kCopyRemote || v == kCopyRemote8 || v == kCopyRemote4 ||
+                        v == kCopyRemoteOwn;
+      const double per_row = copy ? kCopyRow : kQuantRow;
+      std::printf("%s %d %.1f %.1f %.0f\n", kNames[v], nb, p50, mn, per_row * kTokens / (p50 * 1e3));
+    }
+  }
+  std::printf("done\n");
+  return ok ? 0 : 1;
+}
