@@ -16,6 +16,8 @@ import importlib.util
 import os
 import shutil
 
+from setuptools import setup
+
 PROTOCOL_TABLE = os.path.join("ep_comm", "backends", "protocol.py")
 PROTOCOL_HEADER = os.path.join("csrc", "common", "protocol_table.h")
 ONE_SIDED_KERNELS = sorted(glob.glob(os.path.join("csrc", "one_sided", "*.cu")))
@@ -23,8 +25,6 @@ ONE_SIDED_KERNELS = sorted(glob.glob(os.path.join("csrc", "one_sided", "*.cu")))
 # NVSHMEM's device headers use those operators
 _TORCH_HALF_MACROS = ("__CUDA_NO_HALF_OPERATORS__", "__CUDA_NO_HALF_CONVERSIONS__", "__CUDA_NO_HALF2_OPERATORS__",
                       "__CUDA_NO_BFLOAT16_CONVERSIONS__", "__CUDA_NO_BFLOAT162_OPERATORS__")
-
-from setuptools import setup
 
 
 #: pip's default build isolation builds in a fresh environment without the torch installed beside it

@@ -277,22 +277,26 @@ __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* con
     const int64_t n = bytes >> 4;
     const int4* s = reinterpret_cast<const int4*>(src);
     // receive-side copies are bound by loads in flight (128 bytes per lane); send-side ones by their
-    // stores (fewer registers then)
+    // stores (fewer registers then).  Every block of kUnroll x 32 vectors, the last one masked, issues
+    // all its loads before its stores: the stores may alias the source as far as the compiler knows,
+    // so a vector at a time would wait out a load's latency per vector (a decode-sized piece of
+    // 1792 bytes is 3.5 vectors per lane).
     constexpr int kUnroll = kCgSrc ? 8 : 4;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+    for (int64_t base = 0; base < n; base += kUnroll * kWarpSize) {
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = kCgSrc ? ld_cg(s + i + u * kWarpSize) : s[i + u * kWarpSize];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + lane + u * kWarpSize;
+        if (i < n) v[u] = kCgSrc ? ld_cg(s + i) : s[i];
+      }
       for (int d = 0; d < nd; ++d) {
         int4* o = reinterpret_cast<int4*>(dst[d]);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) o[i + u * kWarpSize] = v[u];
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + lane + u * kWarpSize;
+          if (i < n) o[i] = v[u];
+        }
       }
-    }
-    for (; i < n; i += kWarpSize) {
-      const int4 v = kCgSrc ? ld_cg(s + i) : s[i];
-      for (int d = 0; d < nd; ++d) reinterpret_cast<int4*>(dst[d])[i] = v;
     }
   } else if ((align & 3) == 0) {
     const int64_t n = bytes >> 2;
@@ -352,6 +356,9 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   const float r = __fmaf_rn(-q, s, x);
   return copysignf(__fmaf_rn(r, inv, q), x);
 }
+
+// Ask the L2 for the cache line holding ``p`` (no register holds the result; a hint only).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
 // consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales

@@ -79,9 +79,27 @@ __device__ __forceinline__ void accumulate_rows(const T* const* src, const float
   }
 }
 
+// The L2 is asked for the next column block's vectors of ``n`` rows while this block's loads are in
+// flight, so that they are on chip when that block's rounds issue them (no registers held).
+template <typename T, int kSumCols>
+__device__ __forceinline__ void prefetch_columns(const T* const* rows, int n, int c0, int hi) {
+  constexpr int kStep = 8 * kWarpSize;
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int c = 0; c < kSumCols; ++c)
+      if (c0 + c * kStep < hi) prefetch_l2(rows[j] + c0 + c * kStep);
+}
+
+// Column blocks one warp iteration of sum_rows covers (fp32 accumulators and packs cost registers).
 template <typename Tin, typename Tout>
+__host__ __device__ constexpr int sum_cols() { return sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4; }
+
+// kPrefetch (launch_combine decides, combine_prefetches): while this column block's loads are in
+// flight the L2 is asked for the next one's.  ``prefetch_parts``: the partials are this rank's memory
+// (pushed), not a peer's (pulled).
+template <typename Tin, typename Tout, bool kPrefetch>
 __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, int n, const Tout* const* part, int m,
-                                         Tout* dst, int lo, int hi, bool vec, int lane) {
+                                         Tout* dst, int lo, int hi, bool vec, bool prefetch_parts, int lane) {
   if (!vec) {
     for (int c = lo + lane; c < hi; c += kWarpSize) {
       float acc = 0.f;
@@ -92,8 +110,15 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
     return;
   }
   constexpr int kStep = 8 * kWarpSize;
-  constexpr int kSumCols = sizeof(Tin) == 4 || sizeof(Tout) == 4 ? 2 : 4;  // fp32 accumulators + packs: registers
+  constexpr int kSumCols = sum_cols<Tin, Tout>();
   for (int c0 = lo + lane * 8; c0 < hi; c0 += kStep * kSumCols) {
+    if constexpr (kPrefetch) {
+      const int next = c0 + kStep * kSumCols;
+      if (next < hi) {
+        prefetch_columns<Tin, kSumCols>(src, n, next, hi);
+        if (prefetch_parts) prefetch_columns<Tout, kSumCols>(part, m, next, hi);
+      }
+    }
     float acc[kSumCols][8];
 #pragma unroll
     for (int c = 0; c < kSumCols; ++c)
@@ -113,7 +138,7 @@ __device__ __forceinline__ void sum_rows(const Tin* const* src, const float* w, 
 
 // Piece ``chunk`` of the partial of row (src, t) that this rank computes, into src's combine region
 // (one warp).  Padding rows are never read.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const Tin* eo, int src, int t, int chunk,
                                                    int parity, const Tin** src_rows, float* w, int lane) {
   const Layout& L = p.c.lay;
@@ -126,7 +151,7 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
   // put mode: summed into this rank's staging partial of (src, t), then put to the same place
   const int64_t staged = L.stage_combine_offset + (static_cast<int64_t>(src) * L.max_tokens + t) * L.combine_stride;
   Tout* dst = reinterpret_cast<Tout*>(put_mode(L) ? own_at(p.c, staged) : peer_ptr(p.c, src) + off);
-  sum_rows<Tin, Tout>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, lane);
+  sum_rows<Tin, Tout, kPrefetch>(src_rows, w, n, nullptr, 0, dst, lo, hi, L.hidden % 8 == 0, false, lane);
   __syncwarp();
   if (put_mode(L)) {
     const int64_t b = static_cast<int64_t>(sizeof(Tout));
@@ -137,7 +162,7 @@ __device__ __forceinline__ void send_partial_piece(const CombineParams& p, const
 // Piece ``chunk`` of own token t's output: this rank's own expert rows plus every peer's partial, read
 // from ``region`` (this rank's combine region, where peers pushed them) or, with ``region`` null (pull),
 // from each peer's own expert-output rows over NVLink.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const Tin* eo, const uint8_t* region, int t,
                                                  int chunk, const Tin** src_rows, float* w, const Tout** parts,
                                                  int lane) {
@@ -161,8 +186,9 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
   }
   __syncwarp();
   const int n = has_own ? gather_expert_rows<Tin>(p, eo, r, lid, src_rows, w, lane) : 0;
-  sum_rows<Tin, Tout>(src_rows, w, n, parts, __popc(remote_mask), static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
-                      lo, hi, L.hidden % 8 == 0, lane);
+  sum_rows<Tin, Tout, kPrefetch>(src_rows, w, n, parts, __popc(remote_mask),
+                                 static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
+                      lo, hi, L.hidden % 8 == 0, region != nullptr, lane);
   __syncwarp();
 }
 
@@ -198,7 +224,7 @@ __device__ __forceinline__ bool wait_group_flag(const Common& c, int parity, int
 // blocks [0, p.grouped - 1) only send and the others only sum, each waiting for its groups' flags.
 // With a receive hook the send half's blocks all send and the receive half's all sum: the same
 // protocol, so ranks may hook or not independently.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
                                                 uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
                                                 float* w, const Tout** parts, int lane, int warp) {
@@ -234,7 +260,8 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
     const int rows = min(kGroupTokens, p.num_tokens - t0);
     // after a failed wait the call's result is void (the error record says why): skip the reads
     for (int item = warp; s_ok && item < rows * p.chunks; item += kWarps)
-      sum_output_piece<Tin, Tout>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w, parts, lane);
+      sum_output_piece<Tin, Tout, kPrefetch>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w,
+                                             parts, lane);
     __syncthreads();
   };
   for (int u = blockIdx.x; !summer && u < send_units; u += split ? senders : gridDim.x) {
@@ -243,7 +270,8 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
     // a rank that left sent no rows: nothing to return to it
     const int rows = peer_active(L, src) ? min(kGroupTokens, L.max_tokens - t0) : 0;
     for (int item = warp; item < rows * p.chunks; item += kWarps)
-      send_partial_piece<Tin, Tout>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows, w, lane);
+      send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows,
+                                               w, lane);
     __syncthreads();
     if (threadIdx.x == 0 && rows > 0) {
       __threadfence_system();  // the block's partials land before the group's flag
@@ -266,7 +294,7 @@ __device__ __forceinline__ void combine_grouped(const CombineParams& p, const Ti
 // (one pass: no partials written to a peer and read back), and a second flag per call ("done
 // reading": group flag 0, unused without grouped sends) keeps every rank in the kernel until its
 // peers have read its rows, so that its next expert outputs cannot overwrite them under a reader.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* eo, uint64_t seq, uint32_t code,
                                              int parity, uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
                                              float* w, const Tout** parts, int lane, int gwarp, int nwarps) {
@@ -296,7 +324,8 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
   stamp(L, kTraceCombine, kTrSource0);
   // after a failed wait the call's result is void (the error record says why): skip the reads
   for (int64_t item = gwarp; s_readable && item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
-    sum_output_piece<Tin, Tout>(p, eo, nullptr, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+    sum_output_piece<Tin, Tout, kPrefetch>(p, eo, nullptr, static_cast<int>(item / p.chunks),
+                                           static_cast<int>(item % p.chunks),
                                 src_rows, w, parts, lane);
   stamp(L, kTraceCombine, kTrSent, true);
   // every block's reads are summed and stored before it arrives, so the last one may release the peers
@@ -317,7 +346,7 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
   stamp(L, kTraceCombine, kTrArrived, true);
 }
 
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
   const int lane = threadIdx.x & 31;
@@ -335,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
 
   if (p.pull) {
-    combine_pull<Tin, Tout>(p, eo, seq, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, gwarp,
-                            nwarps);
+    combine_pull<Tin, Tout, kPrefetch>(p, eo, seq, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp],
+                                       lane, gwarp, nwarps);
     stamp(L, kTraceCombine, kTrEnd);
     return;
   }
@@ -349,7 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   for (int64_t item = gwarp; item < peer_items; item = next_work(work, lane, deadline, err)) {
     const int64_t q = item / p.chunks;
     const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
-    send_partial_piece<Tin, Tout>(p, eo, src, static_cast<int>(q % L.max_tokens), static_cast<int>(item % p.chunks),
+    send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, static_cast<int>(q % L.max_tokens),
+                                             static_cast<int>(item % p.chunks),
                                   parity, s_src[warp], s_w[warp], lane);
   }
   if (put_mode(L)) put_quiet();
@@ -381,7 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   stamp(L, kTraceCombine, kTrSource0);
   const uint8_t* region = own + L.combine_offset[parity];
   for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
-    sum_output_piece<Tin, Tout>(p, eo, region, static_cast<int>(item / p.chunks), static_cast<int>(item % p.chunks),
+    sum_output_piece<Tin, Tout, kPrefetch>(p, eo, region, static_cast<int>(item / p.chunks),
+                                           static_cast<int>(item % p.chunks),
                                 s_src[warp], s_w[warp], s_part[warp], lane);
   stamp(L, kTraceCombine, kTrEnd, true);
 }
@@ -389,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
 // The grouped combine in a kernel of its own (launch_combine picks it): inlined into combine_kernel,
 // its code changes how the compiler schedules the push form's sums, which then run about a third
 // slower (docs/performance.md).
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
   const int lane = threadIdx.x & 31;
@@ -403,7 +434,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const Comb
   __shared__ float s_w[kWarps][kMaxTopK];
   __shared__ const Tout* s_part[kWarps][kMaxTopK];
   const Tin* eo = static_cast<const Tin*>(p.expert_out);
-  combine_grouped<Tin, Tout>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane, warp);
+  combine_grouped<Tin, Tout, kPrefetch>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp], s_part[warp], lane,
+                                        warp);
   stamp(L, kTraceCombine, kTrSent, true);
   if (p.phases & kPhaseSend) {
     // the call flag still goes out (peers on another call see it), but nothing here waits for it
@@ -429,16 +461,31 @@ bool combine_is_grouped(const CombineParams& p) {
   return !p.pull && p.grouped && p.c.lay.world > 1 && !put_mode(p.c.lay);
 }
 
+// Whether the sums prefetch the next column block: only where a warp's loop is long, i.e. its pieces
+// span more than one iteration and it sums at least two of them.  Prefill-sized combines gain (the
+// batched one 5-10 %); where a warp sums about one piece (decode at EP4) the prefetches only cost, about
+// 2 us (docs/performance.md).
+template <typename Tin, typename Tout>
+bool combine_prefetches(const CombineParams& p, int num_blocks) {
+  return p.chunk_elems > 8 * kWarpSize * sum_cols<Tin, Tout>() &&
+         static_cast<int64_t>(p.num_tokens) * p.chunks >= 2LL * num_blocks * kWarps;
+}
+
 }  // namespace
 
 cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, int num_blocks,
                            cudaStream_t stream) {
   const dim3 grid(num_blocks), block(kThreads);
   const bool grouped = combine_is_grouped(p);
+#define EP_COMBINE_WITH(Tin, Tout, P)                                                           \
+  do {                                                                                          \
+    if (grouped) combine_grouped_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p);           \
+    else combine_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p);                           \
+  } while (0)
 #define EP_COMBINE_AS(Tin, Tout)                                                                \
   do {                                                                                          \
-    if (grouped) combine_grouped_kernel<Tin, Tout><<<grid, block, 0, stream>>>(p);              \
-    else combine_kernel<Tin, Tout><<<grid, block, 0, stream>>>(p);                              \
+    if (combine_prefetches<Tin, Tout>(p, num_blocks)) EP_COMBINE_WITH(Tin, Tout, true);         \
+    else EP_COMBINE_WITH(Tin, Tout, false);                                                     \
   } while (0)
 #define EP_COMBINE_OUT(Tin)                                                                     \
   do {                                                                                          \
@@ -455,6 +502,7 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
   }
 #undef EP_COMBINE_OUT
 #undef EP_COMBINE_AS
+#undef EP_COMBINE_WITH
   return cudaGetLastError();
 }
 

@@ -7,17 +7,13 @@ do not.  Ranks and GPUs as in test_mnnvl.py.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-import ep_comm
-from ep_comm.backends.one_sided import layout as lay_mod
-from ep_comm.backends.protocol import Cfg
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
+from .grouped_cases import forced_grouped_worker
 
 pytestmark = [pytest.mark.gpu]
 
@@ -26,35 +22,14 @@ MODES = {"split:3": "split", "1": "interleaved"}  # $EP_COMM_COMBINE_GROUPED -> 
 
 
 def mixed_hooks_worker() -> dict:
-    topo, device = cases.init_rank()
-    world, rank = topo.world_size, topo.rank
-    out: dict = {}
-    seed = 1300
-    for env, mode in MODES.items():
-        os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-        try:
-            for layout in ("standard", "batched"):
-                cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=MAX_TOKENS)
-                with ep_comm.Communicator(cfg, device=device) as comm:
-                    if comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED] < 1:
-                        out[f"{mode}/{layout}/switched_on"] = ["the grouped combine is not on"]
-                        continue
-                    for _ in range(2):  # both parities
-                        for name, spec in cases.scenarios(world, MAX_TOKENS).items():
-                            seed += 1
-                            key = f"{mode}/{layout}/{name}"
-                            out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, "bf16+scales",
-                                                                         spec, hooks=rank % 2 == 0)
-        finally:
-            del os.environ[lay_mod.COMBINE_GROUPED_ENV]
-    return out
+    return forced_grouped_worker(MODES, ("bf16+scales",), MAX_TOKENS, 1300, hooks="even")
 
 
 _cache: dict = {}
 
 
-@pytest.mark.parametrize("case", [f"{m}/{layout}/{s}" for m in MODES.values() for layout in ("standard", "batched")
-                                  for s in cases.scenarios(2, MAX_TOKENS)])
+@pytest.mark.parametrize("case", [f"{m}/{layout}/bf16+scales/{s}" for m in MODES.values()
+                                  for layout in ("standard", "batched") for s in cases.scenarios(2, MAX_TOKENS)])
 def test_ranks_may_hook_or_not_independently(case):
     if not _cache:
         world, env = cases.kernel_test_world(torch.cuda.device_count() if torch.cuda.is_available() else 0)

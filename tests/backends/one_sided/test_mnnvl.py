@@ -18,6 +18,7 @@ from ep_comm.backends.protocol import Cfg
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases, zero_copy_cases
+from .grouped_cases import forced_grouped_worker
 from .kernel_fault_cases import (
     RECREATE_CYCLES,
     bad_input_recovery_worker,
@@ -243,29 +244,9 @@ def grouped_worker() -> dict:
     """The grouped combine forced on at 96 tokens (3 groups, uneven T, zero T, -1/duplicates, skew, two
     rounds per communicator), interleaved and split (3 sending blocks, so some senders have no group),
     then as chosen by size at GROUPED_MIN_TOKENS tokens (standard layout only)."""
+    out = {f"forced/{k}": v for k, v in forced_grouped_worker(GROUPED_MODES, ("bf16+scales", "fp8"), 96, 900).items()}
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    out: dict = {}
-    seed = 900
-    for env, mode in GROUPED_MODES.items():
-        os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-        try:
-            for layout in ("standard", "batched"):
-                for payload in ("bf16+scales", "fp8"):
-                    cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=96)
-                    with ep_comm.Communicator(cfg, device=device) as comm:
-                        want = lay_mod.combine_grouped_mode(env, "0", comm.num_sms)
-                        if comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED] != want or want < 1:
-                            out[f"forced/{mode}/{layout}/{payload}"] = [f"grouped mode {want} not switched on"]
-                            continue
-                        for _ in range(2):
-                            for name, spec in cases.scenarios(world, cfg.max_tokens_per_rank).items():
-                                seed += 1
-                                key = f"forced/{mode}/{layout}/{payload}/{name}"
-                                out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload,
-                                                                             spec)
-        finally:
-            del os.environ[lay_mod.COMBINE_GROUPED_ENV]
     for layout in ("standard", "batched"):
         cfg = cases.make_cfg(world, "mnnvl", layout, None, max_tokens=lay_mod.GROUPED_MIN_TOKENS)
         with ep_comm.Communicator(cfg, device=device) as comm:
