@@ -1,7 +1,7 @@
 """The combine's prefetching sums on the GPU (mnnvl): the kernels that ask the L2 for a row's next column
 block while summing this one run only where a warp's loop is long, pieces wider than one iteration and
 at least two of them per warp (csrc/one_sided/combine.cu, ``combine_prefetches``).  The other tests'
-256-channel rows never take them; here rows of 2048 channels on 8 SMs with up to 256 tokens per rank
+256-channel rows never take them; here rows of 2048 channels on 4 SMs with up to 256 tokens per rank
 do, for the ranks with many tokens, next to ranks with few that do not: pushed, pulled (zero copy) and
 grouped combines, every payload, with and without receive hooks.  Skipped without CUDA.
 """
@@ -18,7 +18,7 @@ from .grouped_cases import forced_grouped_worker
 pytestmark = [pytest.mark.gpu]
 
 HIDDEN = 2048  # bf16 rows of 4 KB: 2 iterations of a warp's sum loop per row piece
-SMS = 8  # 128 warps: a rank with 256 tokens sums two or more pieces per warp
+SMS = 4  # 64 warps: a rank with 256 tokens sums four pieces per warp (the kernels need two)
 MAX_TOKENS = 256  # 8 groups of 32 per peer for the grouped form
 GROUPED_MODES = {"1": "interleaved", "split:3": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
 
