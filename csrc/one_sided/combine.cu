@@ -187,8 +187,8 @@ __device__ __forceinline__ void sum_output_piece(const CombineParams& p, const T
   __syncwarp();
   const int n = has_own ? gather_expert_rows<Tin>(p, eo, r, lid, src_rows, w, lane) : 0;
   sum_rows<Tin, Tout, kPrefetch>(src_rows, w, n, parts, __popc(remote_mask),
-                                 static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden,
-                      lo, hi, L.hidden % 8 == 0, region != nullptr, lane);
+                                 static_cast<Tout*>(p.out) + static_cast<int64_t>(t) * L.hidden, lo, hi,
+                                 L.hidden % 8 == 0, region != nullptr, lane);
   __syncwarp();
 }
 
@@ -325,8 +325,7 @@ __device__ __forceinline__ void combine_pull(const CombineParams& p, const Tin* 
   // after a failed wait the call's result is void (the error record says why): skip the reads
   for (int64_t item = gwarp; s_readable && item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
     sum_output_piece<Tin, Tout, kPrefetch>(p, eo, nullptr, static_cast<int>(item / p.chunks),
-                                           static_cast<int>(item % p.chunks),
-                                src_rows, w, parts, lane);
+                                           static_cast<int>(item % p.chunks), src_rows, w, parts, lane);
   stamp(L, kTraceCombine, kTrSent, true);
   // every block's reads are summed and stored before it arrives, so the last one may release the peers
   const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
@@ -379,8 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     const int64_t q = item / p.chunks;
     const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
     send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, static_cast<int>(q % L.max_tokens),
-                                             static_cast<int>(item % p.chunks),
-                                  parity, s_src[warp], s_w[warp], lane);
+                                             static_cast<int>(item % p.chunks), parity, s_src[warp], s_w[warp],
+                                             lane);
   }
   if (put_mode(L)) put_quiet();
 
@@ -412,8 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const uint8_t* region = own + L.combine_offset[parity];
   for (int64_t item = gwarp; item < static_cast<int64_t>(p.num_tokens) * p.chunks; item += nwarps)
     sum_output_piece<Tin, Tout, kPrefetch>(p, eo, region, static_cast<int>(item / p.chunks),
-                                           static_cast<int>(item % p.chunks),
-                                s_src[warp], s_w[warp], s_part[warp], lane);
+                                           static_cast<int>(item % p.chunks), s_src[warp], s_w[warp], s_part[warp],
+                                           lane);
   stamp(L, kTraceCombine, kTrEnd, true);
 }
 

@@ -2,17 +2,16 @@
 block while summing this one run only where a warp's loop is long, pieces wider than one iteration and
 at least two of them per warp (csrc/one_sided/combine.cu, ``combine_prefetches``).  The other tests'
 256-channel rows never take them; here rows of 2048 channels on 4 SMs with up to 256 tokens per rank
-do, for the ranks with many tokens, next to ranks with few that do not: pushed, pulled (zero copy) and
-grouped combines, every payload, with and without receive hooks.  Skipped without CUDA.
+do, for the ranks with many tokens, next to ranks with few that do not: pushed and pulled (zero copy)
+combines with every payload, with and without receive hooks; grouped ones (interleaved and split) with
+bf16 and fp8, no rank or the even ranks hooked.  Skipped without CUDA.
 """
 from __future__ import annotations
 
 import pytest
-import torch
-
-from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases, zero_copy_cases
+from . import spawned
 from .grouped_cases import forced_grouped_worker
 
 pytestmark = [pytest.mark.gpu]
@@ -22,23 +21,9 @@ SMS = 4  # 64 warps: a rank with 256 tokens sums four pieces per warp (the kerne
 MAX_TOKENS = 256  # 8 groups of 32 per peer for the grouped form
 GROUPED_MODES = {"1": "interleaved", "split:3": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
 
-_cache: dict = {}
-
-
-def _run(name, fn, *args) -> dict:
-    if name not in _cache:
-        if not torch.cuda.is_available():
-            pytest.skip("needs CUDA")
-        world, env = cases.kernel_test_world(torch.cuda.device_count())
-        _cache[name] = cases.merge_ranks(raise_on_failure(spawn_local(fn, world, args=args, timeout_s=600.0,
-                                                                      extra_env=env)))
-    return _cache[name]
-
-
-def _assert_clean(case, name, fn, *args) -> None:
-    results = _run(name, fn, *args)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+_results = spawned.CaseResults()
+_run = _results.results
+_assert_clean = _results.assert_clean
 
 
 def pushed_matrix(hooks: bool) -> dict:

@@ -8,11 +8,9 @@ do not.  Ranks and GPUs as in test_mnnvl.py.
 from __future__ import annotations
 
 import pytest
-import torch
-
-from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases
+from . import spawned
 from .grouped_cases import forced_grouped_worker
 
 pytestmark = [pytest.mark.gpu]
@@ -25,16 +23,12 @@ def mixed_hooks_worker() -> dict:
     return forced_grouped_worker(MODES, ("bf16+scales",), MAX_TOKENS, 1300, hooks="even")
 
 
-_cache: dict = {}
+_results = spawned.CaseResults()
 
 
 @pytest.mark.parametrize("case", [f"{m}/{layout}/bf16+scales/{s}" for m in MODES.values()
                                   for layout in ("standard", "batched") for s in cases.scenarios(2, MAX_TOKENS)])
 def test_ranks_may_hook_or_not_independently(case):
-    if not _cache:
-        world, env = cases.kernel_test_world(torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        _cache.update(cases.merge_ranks(raise_on_failure(spawn_local(mixed_hooks_worker, world, timeout_s=600.0,
-                                                                     extra_env=env))))
-    assert not [k for k in _cache if k.endswith("switched_on")], sorted(_cache)
-    assert case in _cache, sorted(_cache)[:8]
-    assert _cache[case] == [], "\n".join(_cache[case])
+    results = _results.results("mixed_hooks", mixed_hooks_worker)
+    assert not [k for k in results if k.endswith("switched_on")], sorted(results)
+    _results.assert_clean(case, "mixed_hooks", mixed_hooks_worker)

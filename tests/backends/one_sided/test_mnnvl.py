@@ -15,9 +15,9 @@ import ep_comm
 from ep_comm import oracle
 from ep_comm.backends.one_sided import layout as lay_mod
 from ep_comm.backends.protocol import Cfg
-from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases, zero_copy_cases
+from . import spawned
 from .grouped_cases import forced_grouped_worker
 from .kernel_fault_cases import (
     RECREATE_CYCLES,
@@ -41,25 +41,10 @@ def _world() -> int:
     return cases.kernel_test_world(_ngpu())[0]
 
 
-def _spawn(fn, *args, timeout_s: float = 600.0):
-    world, env = cases.kernel_test_world(_ngpu())
-    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=env))
-
-
-_cache: dict = {}
-
-
-def _run(name, fn, *args):
-    if name not in _cache:
-        _cache[name] = cases.merge_ranks(_spawn(fn, *args))
-    return _cache[name]
-
-
-def _assert_clean(case, name, fn, *args):
-    """``case`` is among the cases ``fn`` ran (on every rank, once per module) and had no problems."""
-    results = _run(name, fn, *args)
-    assert case in results
-    assert results[case] == [], "\n".join(results[case])
+_spawn = spawned.kernel_spawn
+_results = spawned.CaseResults()
+_run = _results.results
+_assert_clean = _results.assert_clean
 
 
 MATRIX = [f"mnnvl/{layout}/{p}/{s}" for layout in ("standard", "batched") for p in cases.PAYLOADS
