@@ -48,6 +48,24 @@ def is_own_nccl(group: object) -> bool:
     return cls is not None and isinstance(group, cls)
 
 
+def nccl_error(group: Any) -> Optional[str]:
+    """What torch's watchdog recorded against an NCCL group (``ErrorType``'s name: ``TIMEOUT``,
+    ``COMM_ERROR``, ``REMOTE_ERROR``), or None while it recorded nothing or this torch cannot say.
+
+    The watchdog may end a collective on its own (a peer's group was aborted: the remote error it
+    reads from the store), before ep_comm's watcher sees the loss; what that collective left is then
+    no result.  A getter of the group's state, no round trip."""
+    get_error = getattr(group, "get_error", None)
+    if get_error is None:
+        return None
+    try:
+        error = get_error()
+    except Exception:  # noqa: BLE001 - a torch without the getter for this backend: nothing recorded
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name == "SUCCESS" else name
+
+
 def nccl_timeout_s(timeout_s: float) -> float:
     """The timeout of an own NCCL group for a plane whose ``timeout_s`` is given (see the constants)."""
     return max(NCCL_TIMEOUT_MIN_S, NCCL_TIMEOUT_FACTOR * timeout_s)

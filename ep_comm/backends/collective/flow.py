@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ...distributed.control import OP_COMBINE, OP_DISPATCH, OP_EXCHANGE
-from ...distributed.groups import is_own_nccl
+from ...distributed.groups import is_own_nccl, nccl_error
 from ...errors import EPError, EPInputError
 from ...layouts import Dispatched
 from ...quant import quantize_fp8
@@ -155,11 +155,16 @@ class CollectiveBackend(Backend):
         """Raise the control plane's ``EPTimeoutError`` naming the lost ranks once the own NCCL group
         was aborted: what a collective of it produced since (a kernel cut short) is no result."""
         why = self.ctx.control.nccl_aborted if self._owns_nccl else None
-        if why is None and cause is not None and self._owns_nccl:
-            # NCCL's own error handling may end a collective waiting for a dead peer before the watcher
-            # sees the loss: an error made of its output (e.g. garbage ids) asks the evidence now
-            gone = self.ctx.control.lost_peers()
-            why = "; ".join(f"rank {r} is gone ({w})" for r, w in sorted(gone.items())) or None
+        if why is None and self._owns_nccl:
+            # torch's watchdog may end a collective waiting for a dead peer (once a peer's group was
+            # aborted) before the watcher sees the loss: what it recorded, or an error made of the
+            # collective's output (e.g. garbage ids), asks the evidence now
+            recorded = nccl_error(self.ctx.group)
+            if recorded is not None or cause is not None:
+                gone = self.ctx.control.lost_peers()
+                why = "; ".join(f"rank {r} is gone ({w})" for r, w in sorted(gone.items())) or None
+                if why is None and recorded is not None:
+                    why = f"its NCCL group recorded {recorded}"
         if why is not None:
             lost = self.ctx.control.failure(op, epoch, RuntimeError(f"NCCL data group aborted: {why}"))
             raise lost from cause

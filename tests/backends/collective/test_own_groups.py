@@ -6,6 +6,7 @@ was aborted (the typed loss, before any result), with a stand-in control plane."
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Optional
 
 import pytest
@@ -40,6 +41,10 @@ class FakeNCCL:
     def __init__(self, offset: bool = True) -> None:
         self.log: list = []
         self.offset = offset
+        self.error = "SUCCESS"  # what torch's watchdog recorded (``ErrorType``'s name)
+
+    def get_error(self):
+        return types.SimpleNamespace(name=self.error)
 
     def _peer(self, t: torch.Tensor, r: int) -> torch.Tensor:
         return t + (r - RANK) if self.offset else t.clone()
@@ -284,6 +289,38 @@ def test_garbage_from_a_collective_cut_short_is_the_loss(fake_nccl: FakeNCCL, cl
     else:
         assert type(err.value) is ep_comm.EPInputError and "invalid input on peer rank(s) [0, 2]" in str(err.value)
         assert plane.failures == []
+
+
+@pytest.mark.parametrize("cls", [NaiveBackend, AllGatherReduceScatterBackend])
+@pytest.mark.parametrize("dead", [False, True], ids=["peers_alive", "peer_dead"])
+def test_an_error_torch_recorded_on_the_group_is_no_result(fake_nccl: FakeNCCL, cls, dead: bool) -> None:
+    """torch's watchdog ended the collective (a peer's group was aborted) and recorded REMOTE_ERROR:
+    the call raises the loss instead of returning what the collective left, naming the dead peer
+    when there is one."""
+    plane, fake_nccl.offset = _Plane(), False  # the rows themselves look valid
+    plane.gone = {2: "its process 42 has exited"} if dead else {}
+    backend = _backend(cls, fake_nccl, plane)
+    x, ids, w = torch.randn(2, 8), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)
+    backend.dispatch(DispatchCall(x, ids, w, None, 0), False)  # nothing recorded: a result
+    fake_nccl.error = "REMOTE_ERROR"
+    with pytest.raises(EPTimeoutError):  # the stand-in plane's failure() builds it
+        backend.dispatch(DispatchCall(x, ids, w, None, 2), False)
+    expected = "rank 2 is gone (its process 42 has exited)" if dead else "its NCCL group recorded REMOTE_ERROR"
+    assert plane.failures == [(OP_DISPATCH, 2, f"NCCL data group aborted: {expected}")]
+
+
+def test_nccl_error_reads_what_torch_recorded() -> None:
+    assert groups.nccl_error(object()) is None  # a torch without the getter
+    fake = FakeNCCL()
+    assert groups.nccl_error(fake) is None
+    fake.error = "COMM_ERROR"
+    assert groups.nccl_error(fake) == "COMM_ERROR"
+
+    class Raising:
+        def get_error(self):
+            raise RuntimeError("not for this backend")
+
+    assert groups.nccl_error(Raising()) is None
 
 
 def test_shrink_aborts_the_old_nccl_group_first(fake_nccl: FakeNCCL, monkeypatch) -> None:
