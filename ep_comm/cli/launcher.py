@@ -189,13 +189,8 @@ def setup_rank(timeout_s: float = 300.0) -> RankEnv:
         import faulthandler
 
         faulthandler.dump_traceback_later(float(hang_dump), exit=False)
-    spawned = os.environ.get(_SPAWNED_ENV)
-    if spawned:
-        # N ranks on one host: without this each rank starts one thread per core and they thrash (on
-        # GPU hosts too: 8 ranks x 128 threads on 128 cores for the host-side inputs and oracle work)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(spawned))))
     # read before init_distributed, which exports RANK/WORLD_SIZE (torchrun's names) for any launcher
-    launcher = "spawn" if spawned else read_launch_env().launcher
+    launcher = "spawn" if os.environ.get(_SPAWNED_ENV) else read_launch_env().launcher
     topo = init_distributed(timeout_s)
     if dist.get_backend() == "gloo":
         cpu_group = None

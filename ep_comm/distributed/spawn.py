@@ -1,14 +1,16 @@
 """Run a function on N local ranks, as torchrun would, from inside Python (tests and the CLI).
 
 Each child gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
-any extra per-rank environment, runs ``fn(*args)``, and sends back either its return value or the
-exception it raised (type name, message, traceback).  The parent never hangs: children that do not
-finish within ``timeout_s`` (or within ``failure_grace_s`` of another rank's failure) are killed and
-reported, and no child outlives ``spawn_local``.
+any extra per-rank environment and its share of the host's cores for torch's thread pool, runs
+``fn(*args)``, and sends back either its return value or the exception it raised (type name, message,
+traceback).  The parent never hangs: children that do not finish within ``timeout_s`` (or within
+``failure_grace_s`` of another rank's failure) are killed and reported, and no child outlives
+``spawn_local``.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import multiprocessing as mp
 import os
 import queue
@@ -41,10 +43,17 @@ class RankResult:
     exitcode: Optional[int] = None
 
 
-def _child(fn: Callable, args: tuple, rank: int, env: Mapping[str, str], results) -> None:
+def _child(fn: Callable, args: tuple, rank: int, env: Mapping[str, str], threads: int, results) -> None:
     for var in LAUNCHER_VARS:
         os.environ.pop(var, None)
     os.environ.update(env)
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
+        import torch
+
+        # N ranks on one host share its cores: at torch's default (a thread per core in every rank) the
+        # host-side work of small tensors (inputs, the oracle) thrashes in the thread pools' barriers,
+        # 7x slower at 4 ranks on 2 cores, and the tests' NVFP4 reference took seconds a case
+        torch.set_num_threads(threads)
     try:
         value = fn(*args)
         results.put(RankResult(rank, True, value))
@@ -90,6 +99,7 @@ def spawn_local(
         ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    threads = max(1, _usable_cpus() // max(1, nproc))
     procs = []
     try:
         for rank in range(nproc):
@@ -99,7 +109,7 @@ def spawn_local(
             }
             if extra_env is not None:
                 env.update(extra_env(rank))
-            p = ctx.Process(target=_child, args=(fn, tuple(args), rank, env, results), daemon=False)
+            p = ctx.Process(target=_child, args=(fn, tuple(args), rank, env, threads, results), daemon=False)
             p.start()
             procs.append(p)
         collected, killed = _collect(procs, results, timeout_s, failure_grace_s)
@@ -117,6 +127,14 @@ def spawn_local(
         res.exitcode = p.exitcode
         out.append(res)
     return out
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask under Slurm or taskset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return os.cpu_count() or 1
 
 
 def _exit_reason(code: Optional[int]) -> str:

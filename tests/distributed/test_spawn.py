@@ -44,3 +44,17 @@ def test_under_a_launcher_this_process_is_one_rank(monkeypatch) -> None:
     assert called == [("launched", "z")]
     assert spawn.run_or_spawn(lambda t: called.append(("fn", t)), ("z",)) is None
     assert called[-1] == ("fn", "z")
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_spawned_ranks_share_the_cores_between_their_thread_pools(monkeypatch) -> None:
+    # at torch's default every rank would start a thread per core: N ranks oversubscribe the host
+    _alone(monkeypatch)
+    results = spawn.spawn_local(_threads, 2, timeout_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.value for r in results] == [max(1, spawn._usable_cpus() // 2)] * 2
