@@ -235,12 +235,20 @@ def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput], expert_fn: Expe
     for inp in inputs:
         x, s = wire_payload(cfg, inp)
         y = torch.zeros(x.shape[0], cfg.hidden)
+        # the j-th entry of every token's route at once, j in route order, one expert_fn call per (j,
+        # expert): each token's terms are added in its route's order, as one token at a time would
+        terms: dict[tuple[int, int], tuple[list[int], list[float]]] = collections.defaultdict(lambda: ([], []))
         for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
-            gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
-            xf = payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1], gs)
-            for e, w in route.items():
+            for j, (e, w) in enumerate(route.items()):
                 if e // L in active:
-                    y[t] += w * expert_fn(xf, e)[0]
+                    terms[(j, e)][0].append(t)
+                    terms[(j, e)][1].append(w)
+        if terms:
+            gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
+            xf = payload_as_float(cfg, x, s, gs)  # elementwise: the same values as row by row
+            for (_, e), (tokens, weights) in sorted(terms.items()):
+                idx = torch.tensor(tokens)
+                y[idx] += torch.tensor(weights).unsqueeze(1) * expert_fn(xf[idx], e)
         outs.append(y)
     return outs
 

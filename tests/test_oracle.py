@@ -52,6 +52,29 @@ def test_expected_combine_by_hand():
     torch.testing.assert_close(y1[0], 0.75 * 3 * x10)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_expected_combine_is_each_tokens_route_summed_in_order(quant):
+    # the definition, one token at a time: y[t] = sum over t's merged route, in its order, of
+    # w * expert(x[t], e), on what travels (the dequantised payload when quantised); bit for bit
+    world, tokens = 4, 40
+    cfg = EPConfig(num_experts=16, top_k=4, hidden=128, max_tokens_per_rank=tokens, quant=quant)
+    inputs = oracle.random_inputs(cfg, world, seed=int(torch.randint(1 << 30, ())), tokens=[tokens, 7, 0, tokens],
+                                 p_minus_one=0.1, p_duplicate=0.1)
+    active = [0, 2, 3]
+    got = oracle.expected_combine(cfg, inputs, active_ranks=active)
+    for inp, y in zip(inputs, got):
+        x, s = oracle.wire_payload(cfg, inp)
+        gs = inp.x_scales if quant == "nvfp4" else None
+        want = torch.zeros(x.shape[0], cfg.hidden)
+        routes = oracle.merged_routes(inp.topk_ids, inp.topk_weights, cfg.num_experts)
+        for t, route in enumerate(routes):
+            xf = oracle.payload_as_float(cfg, x[t: t + 1], None if s is None else s[t: t + 1], gs)
+            for e, w in route.items():
+                if e // (cfg.num_experts // world) in active:
+                    want[t] += w * oracle.test_expert(xf, e)[0]
+        assert torch.equal(y, want)
+
+
 def test_oracle_rejects_out_of_range():
     bad = tiny_inputs()
     bad[1].topk_ids[0, 1] = 4
