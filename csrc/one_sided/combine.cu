@@ -401,32 +401,32 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     return;
   }
   if (p.phases & kPhaseSend) {
-  // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
-  // the partials of this rank's own tokens are summed straight from expert_out when receiving
-  const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
-  const WorkQueue work{p.c.counters + kStateCombineWork, code, nwarps, peer_items};
-  open_work(work);
-  for (int64_t item = gwarp; item < peer_items; item = next_work(work, lane, deadline, err)) {
-    const int64_t q = item / p.chunks;
-    const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
-    send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, static_cast<int>(q % L.max_tokens),
-                                             static_cast<int>(item % p.chunks), parity, s_src[warp], s_w[warp],
-                                             lane);
-  }
-  if (put_mode(L)) put_quiet();
+    // ---- send: one partial per (token, owner rank) to [this rank][t] of each peer owner's combine region;
+    // the partials of this rank's own tokens are summed straight from expert_out when receiving
+    const int64_t peer_items = static_cast<int64_t>(L.world - 1) * L.max_tokens * p.chunks;
+    const WorkQueue work{p.c.counters + kStateCombineWork, code, nwarps, peer_items};
+    open_work(work);
+    for (int64_t item = gwarp; item < peer_items; item = next_work(work, lane, deadline, err)) {
+      const int64_t q = item / p.chunks;
+      const int src = (L.rank + 1 + static_cast<int>(q / L.max_tokens)) % L.world;
+      send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, static_cast<int>(q % L.max_tokens),
+                                               static_cast<int>(item % p.chunks), parity, s_src[warp], s_w[warp],
+                                               lane);
+    }
+    if (put_mode(L)) put_quiet();
 
-  stamp(L, kTraceCombine, kTrSent, true);
-  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
-  stamp(L, kTraceCombine, kTrArrived);
-  if (a.last) {
-    close_work(work);
-    signal_all(p.c, parity, code);
-    stamp(L, kTraceCombine, kTrSignalled);
-    if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
-      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    stamp(L, kTraceCombine, kTrSent, true);
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
+    stamp(L, kTraceCombine, kTrArrived);
+    if (a.last) {
+      close_work(work);
+      signal_all(p.c, parity, code);
+      stamp(L, kTraceCombine, kTrSignalled);
+      if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
+        *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    }
+    if (!(p.phases & kPhaseReceive)) return;
   }
-  if (!(p.phases & kPhaseReceive)) return;
-  }  // send half
 
   // ---- receive: wait for every peer's partials, then per own token sum them with this rank's own
   // expert rows in float32
