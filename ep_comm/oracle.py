@@ -229,28 +229,33 @@ def expected_combine(cfg: EPConfig, inputs: Sequence[RankInput], expert_fn: Expe
 
     ``active_ranks``: as in ``expected_dispatch``: the sum runs over the experts of active ranks only,
     and inactive ranks' entries are computed all the same (nobody compares them)."""
+    return [expected_combine_rank(cfg, inputs, r, expert_fn, active_ranks) for r in range(len(inputs))]
+
+
+def expected_combine_rank(cfg: EPConfig, inputs: Sequence[RankInput], rank: int, expert_fn: ExpertFn = test_expert,
+                          active_ranks: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``expected_combine(...)[rank]`` alone: a rank's combine depends only on its own tokens, so a test
+    rank that checks its own result need not compute the others'."""
     L = cfg.num_experts // len(inputs)
     active = _active(len(inputs), active_ranks)
-    outs = []
-    for inp in inputs:
-        x, s = wire_payload(cfg, inp)
-        y = torch.zeros(x.shape[0], cfg.hidden)
-        # the j-th entry of every token's route at once, j in route order, one expert_fn call per (j,
-        # expert): each token's terms are added in its route's order, as one token at a time would
-        terms: dict[tuple[int, int], tuple[list[int], list[float]]] = collections.defaultdict(lambda: ([], []))
-        for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
-            for j, (e, w) in enumerate(route.items()):
-                if e // L in active:
-                    terms[(j, e)][0].append(t)
-                    terms[(j, e)][1].append(w)
-        if terms:
-            gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
-            xf = payload_as_float(cfg, x, s, gs)  # elementwise: the same values as row by row
-            for (_, e), (tokens, weights) in sorted(terms.items()):
-                idx = torch.tensor(tokens)
-                y[idx] += torch.tensor(weights).unsqueeze(1) * expert_fn(xf[idx], e)
-        outs.append(y)
-    return outs
+    inp = inputs[rank]
+    x, s = wire_payload(cfg, inp)
+    y = torch.zeros(x.shape[0], cfg.hidden)
+    # the j-th entry of every token's route at once, j in route order, one expert_fn call per (j,
+    # expert): each token's terms are added in its route's order, as one token at a time would
+    terms: dict[tuple[int, int], tuple[list[int], list[float]]] = collections.defaultdict(lambda: ([], []))
+    for t, route in enumerate(merged_routes(inp.topk_ids.cpu(), inp.topk_weights.cpu(), cfg.num_experts)):
+        for j, (e, w) in enumerate(route.items()):
+            if e // L in active:
+                terms[(j, e)][0].append(t)
+                terms[(j, e)][1].append(w)
+    if terms:
+        gs = _global_scale_of(inp) if cfg.quant == "nvfp4" else None
+        xf = payload_as_float(cfg, x, s, gs)  # elementwise: the same values as row by row
+        for (_, e), (tokens, weights) in sorted(terms.items()):
+            idx = torch.tensor(tokens)
+            y[idx] += torch.tensor(weights).unsqueeze(1) * expert_fn(xf[idx], e)
+    return y
 
 
 def expected_inactive_pairs(cfg: EPConfig, inputs: Sequence[RankInput], active_ranks: Sequence[int]) -> list[int]:

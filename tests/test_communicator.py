@@ -344,7 +344,7 @@ def subgroup_worker():
             d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)
             problems += oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[sub_rank])
             y = comm.combine(oracle.run_experts(cfg, sub_rank, sub_world, d), d)
-            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[sub_rank])
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, sub_rank))
         return (comm.rank, comm.world_size, problems)
 
 
@@ -416,7 +416,7 @@ def buffer_helpers_worker(backend: str, layout: str, zero_copy: bool) -> list[st
                 continue
             buf.copy_(oracle.run_experts(cfg, rank, world, d))
             y = comm.combine(buf, d)
-            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))
     return problems
 
 

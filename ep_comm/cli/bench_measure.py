@@ -134,7 +134,7 @@ class OracleGate:
             self._cases[key] = CheckCase(
                 cfg, inputs, inputs[env.rank].to(env.device),
                 oracle.expected_dispatch(cfg, inputs)[env.rank],
-                oracle.expected_combine(cfg, [inputs[env.rank]])[0],  # a rank's y needs only its inputs
+                oracle.expected_combine_rank(cfg, inputs, env.rank),  # a rank's y needs only its inputs
             )
         return self._cases[key]
 

@@ -310,10 +310,10 @@ def attempt(comm, fault: Fault, rank: int, world: int, inputs: Sequence[oracle.R
         clean = sanitized(inputs, cfg.num_experts)
         if len(active) == world:
             expected_d = oracle.expected_dispatch(cfg, clean)[rank]
-            expected_y = oracle.expected_combine(cfg, [clean[rank]])[0]
+            expected_y = oracle.expected_combine_rank(cfg, clean, rank)
         else:  # after a shrink: the experts of inactive ranks are removed
             expected_d = oracle.expected_dispatch(cfg, clean, active)[rank]
-            expected_y = oracle.expected_combine(cfg, clean, active_ranks=active)[rank]
+            expected_y = oracle.expected_combine_rank(cfg, clean, rank, active_ranks=active)
     mine = inputs[rank].to(comm.device)
     d = _answered(trace, "dispatch", lambda: comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights, mine.x_scales))
     if isinstance(d, Dispatched):

@@ -341,9 +341,9 @@ def _expected(cfg: EPConfig, inputs: list[oracle.RankInput], rank: int,
     """This rank's expected dispatch, combine and ``inactive_pairs`` (None while every rank is active;
     then a rank's combine output needs only its own inputs)."""
     if len(active) == len(inputs):
-        return oracle.expected_dispatch(cfg, inputs)[rank], oracle.expected_combine(cfg, [inputs[rank]])[0], None
+        return oracle.expected_dispatch(cfg, inputs)[rank], oracle.expected_combine_rank(cfg, inputs, rank), None
     return (oracle.expected_dispatch(cfg, inputs, active)[rank],
-            oracle.expected_combine(cfg, inputs, active_ranks=active)[rank],
+            oracle.expected_combine_rank(cfg, inputs, rank, active_ranks=active),
             oracle.expected_inactive_pairs(cfg, inputs, active)[rank])
 
 

@@ -140,7 +140,8 @@ def run_case(comm, cfg, world: int, rank: int, seed: int, payload: str, spec: di
         outputs.append(y.clone())
     if y.dtype != cfg.dtype:
         problems.append(f"combine dtype {y.dtype}")
-    problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+    want = oracle.expected_combine_rank(cfg, inputs, rank)
+    problems += [f"combine: {p}" for p in oracle.compare_combine(cfg, y, want)]
     return problems
 
 
@@ -224,7 +225,7 @@ def graph_capture(backends=("naive", "ag_rs"), layouts=("standard", "batched"), 
                 problems += [f"replay {rep} dispatch: {p}" for p in
                              oracle.compare_dispatch(cfg, d_s, oracle.expected_dispatch(cfg, inputs)[rank])]
                 problems += [f"replay {rep} combine: {p}" for p in
-                             oracle.compare_combine(cfg, y_s, oracle.expected_combine(cfg, inputs)[rank])]
+                             oracle.compare_combine(cfg, y_s, oracle.expected_combine_rank(cfg, inputs, rank))]
             comm.check_errors()  # nothing was flagged on clean replays
             # an out-of-range id inside a replay is counted and reported, not an illegal access
             ids_s[0, 0] = cfg.num_experts + 5
@@ -319,7 +320,7 @@ def unchecked_ids(backend: str) -> dict:
                 problems.extend(f"{label} dispatch: {p}" for p in
                                 oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, expected)[rank]))
                 problems.extend(f"{label} combine: {p}" for p in
-                                oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, expected)[rank]))
+                                oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, expected, rank)))
 
             def bad_inputs(seed: int, *, cfg=cfg):
                 inputs = oracle.random_inputs(cfg, world, seed, tokens=[6] * world, p_duplicate=0.2)

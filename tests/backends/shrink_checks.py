@@ -29,7 +29,7 @@ def compare_with_active(comm: ep_comm.Communicator, inputs: list[oracle.RankInpu
     the device), which must be None while every rank is active."""
     cfg, rank, world, active = comm.cfg, comm.rank, comm.world_size, list(comm.active_ranks)
     problems = oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs, active)[rank])
-    problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs, active_ranks=active)[rank])
+    problems += oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank, active_ranks=active))
     if len(active) < world:
         want = oracle.expected_inactive_pairs(cfg, inputs, active)[rank]
         got = d.inactive_pairs

@@ -85,7 +85,7 @@ def zero_copy_matrix(backends=("mnnvl",), hooks: bool = False, pull: bool = True
                 for _ in range(2):
                     y = combine(comm, hooks, expert_out, d)
                     problems += [f"seed {seed} combine: {p}" for p in
-                                 oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                                 oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
             problems += _expert_output_buffer_problems(comm, cfg, world, rank, hooks)
         results[f"{backend}/standard/zero_copy_views"] = problems
         if in_place:
@@ -120,7 +120,7 @@ def _input_buffer_problems(backend: str, world: int, rank: int, device, hooks: b
                          oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
             y = combine(comm, hooks, oracle.run_experts(cfg, rank, world, d), d)
             problems += [f"seed {seed} shift {shift} combine: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                         oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
         if comm.dispatch_input_buffer().data_ptr() != buf.data_ptr():
             problems.append("the input buffer moved between calls")
     with ep_comm.Communicator(make_cfg(world, backend, "standard", "fp8", zero_copy=True), device=device) as comm:
@@ -165,7 +165,7 @@ def pull_reuse(backends=("mnnvl",)) -> dict:
                     buf.copy_(oracle.run_experts(cfg, rank, world, d, expert_fn=fn))
                     y = comm.combine(buf, d)
                     problems += [f"seed {seed} {name} combine: {p}" for p in oracle.compare_combine(
-                        cfg, y, oracle.expected_combine(cfg, inputs, expert_fn=fn)[rank])]
+                        cfg, y, oracle.expected_combine_rank(cfg, inputs, rank, expert_fn=fn))]
         results[f"{backend}/pull_reuse"] = problems
         problems = []
         cfg = make_cfg(world, backend, "standard", None, zero_copy=True)
@@ -175,7 +175,7 @@ def pull_reuse(backends=("mnnvl",)) -> dict:
             d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
             y = comm.combine(oracle.run_experts(cfg, rank, world, d).float(), d)
             problems += [f"float32 expert_out: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                         oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
         results[f"{backend}/pull_fp32_expert_out"] = problems
     return results
 
@@ -205,7 +205,7 @@ def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool
         buf.copy_(oracle.run_experts(cfg, rank, world, d))  # (as an expert kernel writing its output there)
         y = combine(comm, hooks, buf, d)
         problems += [f"seed {seed} combine from expert_output_buffer: {p}" for p in
-                     oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                     oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
     if pulls and len(set(seen)) != 1:
         problems.append(f"expert_output_buffer moved between calls: {seen}")
     return problems

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
         mine = inputs[topo.rank]
         d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
         y = comm.combine(oracle.run_experts(cfg, topo.rank, topo.world_size, d), d)
-        bad = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[topo.rank])
+        bad = oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, topo.rank))
     # one file per rank: the ranks' stdout lines interleave in mpiexec's pipe
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{topo.rank}.txt"), "w") as f:
         f.write(f"RESULT rank={topo.rank} world={topo.world_size} local={topo.local_rank} ok={not bad}")

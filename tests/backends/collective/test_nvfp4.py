@@ -103,7 +103,7 @@ def _one_call(comm, cfg, world: int, rank: int, seed: int, name: str, spec: dict
     y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
     if y.dtype != cfg.dtype:
         problems.append(f"combine dtype {y.dtype}")
-    want = oracle.expected_combine(cfg, inputs)[rank]
+    want = oracle.expected_combine_rank(cfg, inputs, rank)
     return problems + [f"combine: {p}" for p in oracle.compare_combine(cfg, y, want)]
 
 
@@ -178,7 +178,7 @@ def nvfp4_graph() -> dict:
                     want = oracle.expected_dispatch(cfg, inputs)[rank]
                     problems += [f"replay {rep} dispatch: {p}" for p in oracle.compare_dispatch(cfg, d_s, want)]
                     problems += [f"replay {rep} combine: {p}" for p in
-                                 oracle.compare_combine(cfg, y_s, oracle.expected_combine(cfg, inputs)[rank])]
+                                 oracle.compare_combine(cfg, y_s, oracle.expected_combine_rank(cfg, inputs, rank))]
                 comm.check_errors()
             results[f"{backend}/{layout}"] = problems
     return results

@@ -42,7 +42,7 @@ def _call(comm: ep_comm.Communicator, seed: int) -> list[str]:
     d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
     problems = oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs, active)[rank])
     y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-    problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs, active_ranks=active)[rank])
+    problems += oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank, active_ranks=active))
     if len(active) == world:
         if d.inactive_pairs is not None:
             problems.append("inactive_pairs set while every rank is active")

@@ -80,7 +80,7 @@ def recreate_after_timeout_worker(backend: str, cycles: int) -> dict:
             d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
             y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
             res["problems"] += [f"cycle {cycle}: {p}" for p in
-                                oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                                oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
             if rank != world - 1:
                 try:
                     comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
@@ -144,7 +144,7 @@ def bad_input_recovery_worker(backend: str = "mnnvl", layout: str = "batched", z
             d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
         y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
         problems.extend(f"{what}: {p}" for p in
-                        oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank]))
+                        oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank)))
 
     def faulty(what: str, bad_rank: int, make, own: str, hooks: bool = False) -> None:
         """A dispatch whose input on ``bad_rank`` (-1: every rank) is ``make(mine)``; every rank must
@@ -220,7 +220,7 @@ def validation_off_recovery_worker(backend: str = "mnnvl", layout: str = "standa
             y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
             comm.check_errors()
             problems.extend(f"{what}: {p}" for p in
-                            oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank]))
+                            oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank)))
 
         def refused(what: str, bad: set) -> None:
             mine = oracle.random_inputs(cfg, world, next(seed))[rank].to(comm.device)
@@ -275,6 +275,6 @@ def compile_worker(backend: str = "mnnvl") -> dict:
             return comm.combine(cases.graph_experts(cfg, rank, world, d), d)
 
         y = torch.compile(layer)(mine.x, mine.topk_ids, mine.topk_weights)
-        out["communicator"] = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+        out["communicator"] = oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))
         comm.check_errors()
     return out

@@ -211,7 +211,7 @@ def hook_misuse_worker() -> list[str]:
                      for p in oracle.compare_dispatch(cfg, d, oracle.expected_dispatch(cfg, inputs)[rank])]
         y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)  # in step after the refusal
         problems += [f"combine: {p}"
-                     for p in oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])]
+                     for p in oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))]
         comm.check_errors()
     return problems
 
@@ -328,7 +328,7 @@ def variants_worker() -> dict:
                 loose = cfg.replace(dtype=torch.bfloat16)
                 out[f"{layout}/{dtype}/experts_{expert_dtype}"] = problems + [
                     f"combine: {p}"
-                    for p in oracle.compare_combine(loose, y, oracle.expected_combine(cfg, inputs)[rank])]
+                    for p in oracle.compare_combine(loose, y, oracle.expected_combine_rank(cfg, inputs, rank))]
 
         # int64 ids and validation off: not one host synchronisation inside dispatch/combine; then
         # out-of-range ids, which the kernel treats as -1 and counts
@@ -345,7 +345,7 @@ def variants_worker() -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             problems += [f"clean combine: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, clean)[rank])]
+                         oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, clean, rank))]
 
             inputs = oracle.random_inputs(cfg, world, 77, p_minus_one=0.1)
             bad = [oracle.RankInput(i.x, i.topk_ids.clone(), i.topk_weights) for i in inputs]
@@ -367,7 +367,7 @@ def variants_worker() -> dict:
                     problems.append(f"unexpected message: {exc}")
             y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)  # ... once: still usable
             problems += [f"combine: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, cleaned)[rank])]
+                         oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, cleaned, rank))]
             # ... or by the next call, once that call is launched (so every rank stays in step)
             d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
             torch.cuda.synchronize()
@@ -381,7 +381,7 @@ def variants_worker() -> dict:
                               cleaned[rank].topk_weights.to(comm.device))
             y = comm.combine(cases.graph_experts(cfg, rank, world, d), d)
             problems += [f"combine after: {p}" for p in
-                         oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, cleaned)[rank])]
+                         oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, cleaned, rank))]
             comm.check_errors()
             out[f"{layout}/fp8/int64_ids/validation_off"] = problems
     return out

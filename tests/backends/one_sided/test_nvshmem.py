@@ -204,7 +204,7 @@ def lifecycle_worker() -> dict:
         mine = inputs[rank].to(comm.device)
         d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
         y = comm.combine(oracle.run_experts(comm.cfg, rank, world, d), d)
-        problems += oracle.compare_combine(comm.cfg, y, oracle.expected_combine(comm.cfg, inputs)[rank])
+        problems += oracle.compare_combine(comm.cfg, y, oracle.expected_combine_rank(comm.cfg, inputs, rank))
     a.close()
     b.close()
     states.append(nvshmem_heap.runtime_summary())
@@ -215,7 +215,7 @@ def lifecycle_worker() -> dict:
             mine = inputs[rank].to(c.device)
             d = c.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
             y = c.combine(oracle.run_experts(cfg, rank, world, d), d)
-            problems += oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+            problems += oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))
         stops.append(nvshmem_heap.stop_runtime())
         states.append(nvshmem_heap.runtime_summary())
     return {"problems": problems, "states": states, "stops": stops}
@@ -254,7 +254,7 @@ def torch_started_worker() -> dict:
         mine = inputs[rank].to(comm.device)
         d = comm.dispatch(mine.x, mine.topk_ids, mine.topk_weights)
         y = comm.combine(oracle.run_experts(cfg, rank, world, d), d)
-        problems = oracle.compare_combine(cfg, y, oracle.expected_combine(cfg, inputs)[rank])
+        problems = oracle.compare_combine(cfg, y, oracle.expected_combine_rank(cfg, inputs, rank))
     t2 = symm_mem.empty(4096, dtype=torch.uint8, device=dev)  # torch's NVSHMEM still works
     symm_mem.rendezvous(t2, dist.group.WORLD)
     t2.fill_(rank + 1)
