@@ -102,15 +102,15 @@ def with_global_scale(inputs: Sequence[RankInput]) -> list[RankInput]:
 def merged_routes(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> list[dict[int, float]]:
     """Per token: ``{global expert: summed weight}`` (duplicates merged, -1 skipped)."""
     routes = []
-    for t in range(ids.shape[0]):
+    # Python lists, not tensor indexing (a tensor per element): the same ints and float values
+    for t, (id_row, w_row) in enumerate(zip(ids.tolist(), weights.tolist())):
         row: dict[int, float] = {}
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
+        for j, (e, w) in enumerate(zip(id_row, w_row)):
             if e == -1:
                 continue
             if not 0 <= e < num_experts:
                 raise EPInputError(f"topk_ids[{t}, {j}] = {e} out of range")
-            row[e] = row.get(e, 0.0) + float(weights[t, j])
+            row[e] = row.get(e, 0.0) + w
         routes.append(row)
     return routes
 
