@@ -12,12 +12,17 @@ from ep_comm.distributed.spawn import RankResult, raise_on_failure, spawn_local
 
 from .. import cases
 
+PRELOAD = ("torch", "torch.distributed")
+
 
 def kernel_spawn(fn: Callable, *args: Any, timeout_s: float = 600.0) -> list[Any]:
     """``fn(*args)`` on every rank of the kernel tests' world; each rank's return value, in rank order."""
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world, env = cases.kernel_test_world(ngpu)
-    results: list[RankResult] = spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=env)
+    # ranks forked from a server that imported torch once, as the CLI's are: a module's tests spawn
+    # several worlds, each rank of which would otherwise import torch afresh
+    results: list[RankResult] = spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=env,
+                                            preload=PRELOAD)
     return raise_on_failure(results)
 
 

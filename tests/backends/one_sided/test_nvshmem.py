@@ -17,6 +17,7 @@ from ep_comm import oracle
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
 from .. import cases, zero_copy_cases
+from . import spawned
 from .kernel_fault_cases import (
     RECREATE_CYCLES,
     bad_input_recovery_worker,
@@ -43,7 +44,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.skipif(bool(_wh
 def _spawn(fn, *args, timeout_s: float = 600.0, env: dict | None = None):
     world = torch.cuda.device_count()
     extra = None if env is None else (lambda rank: env)
-    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=extra))
+    return raise_on_failure(spawn_local(fn, world, args=args, timeout_s=timeout_s, extra_env=extra,
+                                        preload=spawned.PRELOAD))
 
 
 _cache: dict = {}
