@@ -320,6 +320,17 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
   return work;
 }
 
+// The last block of a combine's send half to arrive: no later call may take this call's queue tickets,
+// the peers get the call's flag, and the next call number is published (every block has arrived, so
+// every block has read this one's).
+__device__ __forceinline__ void close_combine_sends(const CombineParams& p, const WorkQueue& work, uint64_t seq,
+                                                    uint32_t code, int parity) {
+  close_work(work);
+  signal_all(p.c, parity, code);
+  stamp(p.c.lay, kTraceCombine, kTrSignalled);
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+}
+
 // Pull combine (zero copy, standard layout, peers reached by stores): every rank's expert rows stay in
 // its combine half 0, where the host had the experts write them.  The call flag says "my rows are
 // readable" and goes out first; each rank then sums its tokens reading the owners' rows over NVLink
@@ -418,13 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     stamp(L, kTraceCombine, kTrSent, true);
     const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
     stamp(L, kTraceCombine, kTrArrived);
-    if (a.last) {
-      close_work(work);
-      signal_all(p.c, parity, code);
-      stamp(L, kTraceCombine, kTrSignalled);
-      if (threadIdx.x == 0)  // every block has arrived, so every block has read seq
-        *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-    }
+    if (a.last) close_combine_sends(p, work, seq, code, parity);
     if (!(p.phases & kPhaseReceive)) return;
   }
 
@@ -471,12 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const Comb
   if (p.phases & kPhaseSend) {
     // the call flag still goes out (peers on another call see it), but nothing here waits for it
     const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err);
-    if (a.last) {
-      close_work(work);
-      signal_all(p.c, parity, code);
-      stamp(L, kTraceCombine, kTrSignalled);
-      if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-    }
+    if (a.last) close_combine_sends(p, work, seq, code, parity);
   }
   // a rank without tokens waited for no group above: it still ends only once every peer has sent
   // this combine (so after each peer's previous dispatch), as the ungrouped combine does; else its
