@@ -296,135 +296,137 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   uint8_t** dst_s = s_dst_s[warp];
 
   if (p.phases & kPhaseSend) {
-  // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
-  // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
-  const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
-  const WorkQueue work{p.c.counters + kStateDispatchWork, code, nwarps, items};
-  open_work(work);
-  for (int64_t item = gwarp; item < items; item = next_work(work, lane, deadline, err)) {
-    const int t = static_cast<int>(item / p.chunks);
-    const int chunk = static_cast<int>(item % p.chunks);
-    const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);
-    const bool leader = r.keep && ((r.leaders >> lane) & 1u);
-    const bool remote = leader && r.owner_rank != L.rank;
-    const unsigned remote_mask = __ballot_sync(kFull, remote);
-    const int n_remote = __popc(remote_mask);
-    const bool own = r.keep && r.owner_rank == L.rank;
-    const bool has_own = __ballot_sync(kFull, own) != 0;
-    int slot = -1;  // index of this (token, expert) among the rows sent to that expert
-    if (chunk == 0) {
-      if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
-      if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
-      // batched slots need each (destination, expert)'s row numbering; the standard layout does not
-      if (r.keep && L.batched) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
-      if (L.batched && p.chunks > 1 && has_own) {  // the other pieces' warps need the own slots
-        if (lane < k) p.self_slot[static_cast<int64_t>(t) * k + lane] = own ? slot : -1;
-        __syncwarp();
-        if (lane == 0) {
-          __threadfence();
-          atomicExch(p.self_ready + t, code);
+    // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
+    // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
+    const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
+    const WorkQueue work{p.c.counters + kStateDispatchWork, code, nwarps, items};
+    open_work(work);
+    for (int64_t item = gwarp; item < items; item = next_work(work, lane, deadline, err)) {
+      const int t = static_cast<int>(item / p.chunks);
+      const int chunk = static_cast<int>(item % p.chunks);
+      const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);
+      const bool leader = r.keep && ((r.leaders >> lane) & 1u);
+      const bool remote = leader && r.owner_rank != L.rank;
+      const unsigned remote_mask = __ballot_sync(kFull, remote);
+      const int n_remote = __popc(remote_mask);
+      const bool own = r.keep && r.owner_rank == L.rank;
+      const bool has_own = __ballot_sync(kFull, own) != 0;
+      int slot = -1;  // index of this (token, expert) among the rows sent to that expert
+      if (chunk == 0) {
+        if (leader) p.dest[static_cast<int64_t>(t) * k + __popc(r.leaders & lanes_below(lane))] = r.owner_rank;
+        if (lane >= r.num_dest && lane < k) p.dest[static_cast<int64_t>(t) * k + lane] = -1;
+        // batched slots need each (destination, expert)'s row numbering; the standard layout does not
+        if (r.keep && L.batched) slot = atomicAdd(p.send_count + r.owner_rank * nl + r.local, 1);
+        if (L.batched && p.chunks > 1 && has_own) {  // the other pieces' warps need the own slots
+          if (lane < k) p.self_slot[static_cast<int64_t>(t) * k + lane] = own ? slot : -1;
+          __syncwarp();
+          if (lane == 0) {
+            __threadfence();
+            atomicExch(p.self_ready + t, code);
+          }
         }
       }
-    }
-    // the row's offset in its owner's buffer; put mode writes it to this rank's staging row first
-    const int64_t row_off =
-        L.dispatch_offset[data_half] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
-    if (remote) {
-      const int i = __popc(remote_mask & lanes_below(lane));
-      uint8_t* row = put_mode(L) ? own_at(p.c, stage_row_off(L, r.owner_rank, t))
-                                 : peer_ptr(p.c, r.owner_rank) + row_off;
-      dst[i] = row + L.payload_offset;
-      dst_s[i] = row + L.scale_offset;
-      s_dst_rank[warp][i] = r.owner_rank;
-    }
-    __syncwarp();
-    if (chunk == 0) {
-      for (int i = 0; i < n_remote; ++i) {
-        uint8_t* row = dst[i] - L.payload_offset;
-        const int dst_rank = s_dst_rank[warp][i];
-        if (lane < k) {
-          const bool mine = r.keep && r.owner_rank == dst_rank;
-          int32_t* meta = reinterpret_cast<int32_t*>(row + sizeof(RowHeader));
-          meta[lane] = mine ? r.local : -1;
-          reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
-          meta[2 * k + lane] = mine ? slot : -1;
+      // the row's offset in its owner's buffer; put mode writes it to this rank's staging row first
+      const int64_t row_off =
+          L.dispatch_offset[data_half] + (static_cast<int64_t>(L.rank) * L.max_tokens + t) * L.row_stride;
+      if (remote) {
+        const int i = __popc(remote_mask & lanes_below(lane));
+        uint8_t* row = put_mode(L) ? own_at(p.c, stage_row_off(L, r.owner_rank, t))
+                                   : peer_ptr(p.c, r.owner_rank) + row_off;
+        dst[i] = row + L.payload_offset;
+        dst_s[i] = row + L.scale_offset;
+        s_dst_rank[warp][i] = r.owner_rank;
+      }
+      __syncwarp();
+      if (chunk == 0) {
+        for (int i = 0; i < n_remote; ++i) {
+          uint8_t* row = dst[i] - L.payload_offset;
+          const int dst_rank = s_dst_rank[warp][i];
+          if (lane < k) {
+            const bool mine = r.keep && r.owner_rank == dst_rank;
+            int32_t* meta = reinterpret_cast<int32_t*>(row + sizeof(RowHeader));
+            meta[lane] = mine ? r.local : -1;
+            reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
+            meta[2 * k + lane] = mine ? slot : -1;
+          }
+          if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
+            *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
+                                                      static_cast<int32_t>(p.scale_bytes), t);
+          }
         }
-        if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
-          *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
-                                                    static_cast<int32_t>(p.scale_bytes), t);
+      }
+      // own share: this rank's source comes first in its own batched layout, so slot = index.  Its
+      // destinations go after the remote ones in dst, so that the piece is read (and quantised) once for
+      // all of them; except a copied standard row's single own copy, which goes after the remote sends
+      // (the link is the critical path; local stores mixed into the loop slowed it by 2 %), and a later
+      // batched piece whose own slots (from the warp sending piece 0) are not there yet, which would
+      // leave this warp idle waiting for them.
+      const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
+      int n_own = 0;
+      bool own_after = kQuant < 0 && !L.batched;
+      if (has_own && !own_after) {
+        if (L.batched && chunk > 0) {
+          uint32_t ready = 0;
+          if (lane == 0) ready = ld_acquire_gpu_u32(p.self_ready + t) == code;
+          own_after = !__shfl_sync(kFull, ready, 0);
+          if (!own_after) slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
         }
+        if (!own_after)
+          n_own = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst + n_remote, dst_s + n_remote,
+                            lane);
+      } else if (!has_own && chunk == 0) {
+        place_row(p, row, -1, 0.f, -1, true, dst + n_remote, dst_s + n_remote, lane);  // padding
+      }
+      const int64_t lo = chunk * p.chunk_bytes;
+      const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
+      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane, quant_stage);
+      if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
+      if (has_own && own_after) {
+        if (L.batched && chunk > 0) {
+          if (lane == 0) wait_u32(p.self_ready + t, code, deadline, err);
+          __syncwarp();
+          slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
+        }
+        const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
+        send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
       }
     }
-    // own share: this rank's source comes first in its own batched layout, so slot = index.  Its
-    // destinations go after the remote ones in dst, so that the piece is read (and quantised) once for
-    // all of them; except a copied standard row's single own copy, which goes after the remote sends
-    // (the link is the critical path; local stores mixed into the loop slowed it by 2 %), and a later
-    // batched piece whose own slots (from the warp sending piece 0) are not there yet, which would
-    // leave this warp idle waiting for them.
-    const int64_t row = static_cast<int64_t>(L.rank) * L.max_tokens + t;
-    int n_own = 0;
-    bool own_after = kQuant < 0 && !L.batched;
-    if (has_own && !own_after) {
-      if (L.batched && chunk > 0) {
-        uint32_t ready = 0;
-        if (lane == 0) ready = ld_acquire_gpu_u32(p.self_ready + t) == code;
-        own_after = !__shfl_sync(kFull, ready, 0);
-        if (!own_after) slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
-      }
-      if (!own_after)
-        n_own = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst + n_remote, dst_s + n_remote, lane);
-    } else if (!has_own && chunk == 0) {
-      place_row(p, row, -1, 0.f, -1, true, dst + n_remote, dst_s + n_remote, lane);  // padding
-    }
-    const int64_t lo = chunk * p.chunk_bytes;
-    const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-    send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n_remote + n_own, lane, quant_stage);
-    if (put_mode(L)) put_staged_piece<kQuant>(p, row_off, t, chunk, lo, hi, s_dst_rank[warp], n_remote);
-    if (has_own && own_after) {
-      if (L.batched && chunk > 0) {
-        if (lane == 0) wait_u32(p.self_ready + t, code, deadline, err);
-        __syncwarp();
-        slot = lane < k ? __ldcg(p.self_slot + static_cast<int64_t>(t) * k + lane) : -1;
-      }
-      const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
-      send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
-    }
-  }
 
-  // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
-  if (put_mode(L)) put_quiet();
-  stamp(L, kTraceDispatch, kTrSent, true);
-  const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
-  stamp(L, kTraceDispatch, kTrArrived);
-  if (a.last) {
-    close_work(work);
-    for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
-      const int peer = i / nl;
-      if (!peer_active(L, peer)) continue;
-      // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
-      int32_t* slot = put_mode(L) && peer != L.rank
-                          ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
-                          : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) + L.rank * nl + i % nl;
-      *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
-      p.send_count[i] = 0;  // ready for the next call
-    }
-    __syncthreads();
-    if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
-      const int64_t bytes = static_cast<int64_t>(nl) * 4;
-      for (int peer = warp; peer < L.world; peer += kWarps)
-        if (peer != L.rank && peer_active(L, peer))
-          put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
-      put_quiet();
+    // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
+    if (put_mode(L)) put_quiet();
+    stamp(L, kTraceDispatch, kTrSent, true);
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
+    stamp(L, kTraceDispatch, kTrArrived);
+    if (a.last) {
+      close_work(work);
+      for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
+        const int peer = i / nl;
+        if (!peer_active(L, peer)) continue;
+        // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
+        int32_t* slot = put_mode(L) && peer != L.rank
+                            ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
+                            : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) +
+                                  L.rank * nl + i % nl;
+        *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
+        p.send_count[i] = 0;  // ready for the next call
+      }
       __syncthreads();
+      if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
+        const int64_t bytes = static_cast<int64_t>(nl) * 4;
+        for (int peer = warp; peer < L.world; peer += kWarps)
+          if (peer != L.rank && peer_active(L, peer))
+            put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
+        put_quiet();
+        __syncthreads();
+      }
+      signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+      stamp(L, kTraceDispatch, kTrSignalled);
     }
-    signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
-    stamp(L, kTraceDispatch, kTrSignalled);
+    if (!a.ok) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
+      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+    if (!(p.phases & kPhaseReceive)) return;
   }
-  if (!a.ok) return;
-  if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
-    *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-  if (!(p.phases & kPhaseReceive)) return;
-  }  // send half
 
   // ---- receive: every source's flag first (peers signal once their sends are done, so the flags land
   // together), then one pass over all sources' rows: a decode-sized call pays one row's latency chain
