@@ -10,7 +10,6 @@ traceback).  The parent never hangs: children that do not finish within ``timeou
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import multiprocessing as mp
 import os
 import queue
@@ -47,13 +46,11 @@ def _child(fn: Callable, args: tuple, rank: int, env: Mapping[str, str], threads
     for var in LAUNCHER_VARS:
         os.environ.pop(var, None)
     os.environ.update(env)
-    if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
-        import torch
+    import torch
 
-        # N ranks on one host share its cores: at torch's default (a thread per core in every rank) the
-        # host-side work of small tensors (inputs, the oracle) thrashes in the thread pools' barriers,
-        # 7x slower at 4 ranks on 2 cores, and the tests' NVFP4 reference took seconds a case
-        torch.set_num_threads(threads)
+    # N ranks on one host share its cores: at torch's default (a thread per core in every rank) the
+    # host-side work on small tensors (inputs, the oracle) thrashes in the thread pools' barriers
+    torch.set_num_threads(threads)
     try:
         value = fn(*args)
         results.put(RankResult(rank, True, value))
