@@ -278,14 +278,15 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
   __shared__ int s_unit[2];  // by iteration parity: the draw ahead of a unit writes while others read
   for (int u = blockIdx.x, it = 0; !summer && u < send_units; ++it) {
     const auto due = [&] { return !split && next_sum < own_groups && (next_sum + 1) * peers + grid <= u; };
+    const auto draw = [&] {  // by one warp: the block's next unit, for every thread after a barrier
+      const int64_t next = next_work(work, lane, deadline, err);
+      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
+    };
     const bool sums = due();
     // drawn before this unit's sends away from the end of the queue; near it, once the warp's share is
     // sent, so that a block that drains slowly does not hold a unit a faster one could have taken
     const bool ahead = !sums && u + 2 * static_cast<int>(work.first) < send_units;
-    if (ahead && warp == kWarps - 1) {
-      const int64_t next = next_work(work, lane, deadline, err);
-      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
-    }
+    if (ahead && warp == kWarps - 1) draw();
     const int src = (L.rank + 1 + u % peers) % L.world;
     const int t0 = (u / peers) * kGroupTokens;
     // a rank that left sent no rows: nothing to return to it
@@ -293,10 +294,7 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
     for (int item = warp; item < rows * p.chunks; item += kWarps)
       send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows,
                                                w, lane);
-    if (!sums && !ahead && warp == kWarps - 1) {
-      const int64_t next = next_work(work, lane, deadline, err);
-      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
-    }
+    if (!sums && !ahead && warp == kWarps - 1) draw();
     __syncthreads();
     if (threadIdx.x == 0 && rows > 0) {
       __threadfence_system();  // the block's partials land before the group's flag
@@ -307,10 +305,7 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
         sum_group(next_sum);
         next_sum += gridDim.x;
       }
-      if (warp == 0) {
-        const int64_t next = next_work(work, lane, deadline, err);
-        if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
-      }
+      if (warp == 0) draw();
       __syncthreads();
     }
     u = s_unit[it & 1];
