@@ -264,6 +264,13 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 // ---- row copies (one warp) ----------------------------------------------------------------------
+// ``a`` ORed with the ``nd`` destination addresses: the low bits of the result are the widest alignment
+// they all share.
+__device__ __forceinline__ uintptr_t address_bits(uint8_t* const* dst, int nd, uintptr_t a = 0) {
+  for (int d = 0; d < nd; ++d) a |= reinterpret_cast<uintptr_t>(dst[d]);
+  return a;
+}
+
 // Copy ``bytes`` from ``src`` to each of ``nd`` destinations: every source chunk is loaded once and
 // stored nd times.  ``cg_src``: the source was written by a peer (read around L1).  Chunk width
 // follows the common alignment of the pointers and the length (16 bytes on every hot path).
@@ -271,8 +278,7 @@ template <bool kCgSrc>
 __device__ __forceinline__ void warp_copy_multi(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes,
                                                 int lane) {
   if (nd == 0) return;
-  uintptr_t align = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
-  for (int d = 0; d < nd; ++d) align |= reinterpret_cast<uintptr_t>(dst[d]);
+  const uintptr_t align = address_bits(dst, nd, reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes));
   if ((align & 15) == 0) {
     const int64_t n = bytes >> 4;
     const int4* s = reinterpret_cast<const int4*>(src);
@@ -374,11 +380,7 @@ __device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_
 }
 
 // Whether every destination can take 16-byte stores at offsets that are multiples of 16.
-__device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) {
-  uintptr_t a = 0;
-  for (int d = 0; d < nd; ++d) a |= reinterpret_cast<uintptr_t>(dst[d]);
-  return (a & 15) == 0;
-}
+__device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) { return (address_bits(dst, nd) & 15) == 0; }
 
 // Ask the L2 for the cache line holding ``p`` (no register holds the result; a hint only).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
