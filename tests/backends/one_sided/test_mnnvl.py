@@ -243,10 +243,11 @@ def grouped_worker() -> dict:
     return out
 
 
-def grouped_graph_worker(env: str) -> dict:
+def grouped_graph_worker(env: str, **capture) -> dict:
+    """``cases.graph_capture`` on ``mnnvl`` (``capture``: its options) with $EP_COMM_COMBINE_GROUPED = env."""
     os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
     try:
-        return cases.graph_capture(("mnnvl",))
+        return cases.graph_capture(("mnnvl",), **capture)
     finally:
         del os.environ[lay_mod.COMBINE_GROUPED_ENV]
 
@@ -277,12 +278,8 @@ def queue_grouped_worker(hooks: str) -> dict:
 
 
 def queue_grouped_graph(env: str, hooks: bool) -> dict:
-    os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-    try:
-        return cases.graph_capture(("mnnvl",), ("standard",), replays=4, hooks=hooks, max_tokens=QUEUE_GROUPED_TOKENS,
-                                   num_sms=QUEUE_SMS)
-    finally:
-        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
+    return grouped_graph_worker(env, layouts=("standard",), replays=4, hooks=hooks, max_tokens=QUEUE_GROUPED_TOKENS,
+                                num_sms=QUEUE_SMS)
 
 
 QUEUE_GROUPED = [f"{m}/standard/{p}/{s}" for m in QUEUE_GROUPED_MODES.values() for p in cases.PAYLOADS
