@@ -1,10 +1,14 @@
-// The microbenchmarks' runtime-call check: print the call and CUDA's reason, then exit (standalone
-// programs: nothing to recover).
+// What the microbenchmarks share: the runtime-call check (print the call and CUDA's reason, then exit:
+// standalone programs, nothing to recover), comma-separated option lists, and launch timing.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 #define CK(x)                                                                                  \
   do {                                                                                         \
@@ -14,3 +18,39 @@
       std::exit(1);                                                                            \
     }                                                                                          \
   } while (0)
+
+// "a,b,c" -> {"a", "b", "c"} (empty items dropped)
+inline std::vector<std::string> comma_list(const std::string& s) {
+  std::vector<std::string> v;
+  for (size_t i = 0, j; i <= s.size(); i = j + 1) {
+    j = std::min(s.find(',', i), s.size());
+    if (j > i) v.push_back(s.substr(i, j - i));
+  }
+  return v;
+}
+
+// p50 and minimum in µs of ``reps`` calls of ``launch`` (after 3 untimed), each timed alone between two
+// events on the default stream
+template <typename F>
+std::pair<float, float> p50_min_us(F launch, int reps = 20) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) launch();
+  CK(cudaDeviceSynchronize());
+  std::vector<float> v;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0));
+    launch();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    v.push_back(ms * 1000.f);
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front()};
+}

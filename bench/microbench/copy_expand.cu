@@ -235,33 +235,6 @@ __global__ void __launch_bounds__(kThreads, 1) tma_sum4(const uint8_t* src, uint
 }
 
 // ---- driver -----------------------------------------------------------------------------------------
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-  }
-};
-
-template <typename F>
-float time_us(F launch, int iters = 20) {
-  Timer t;
-  for (int i = 0; i < 3; ++i) launch();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> v;
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(t.a));
-    launch();
-    CK(cudaEventRecord(t.b));
-    CK(cudaEventSynchronize(t.b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, t.a, t.b));
-    v.push_back(ms * 1000.f);
-  }
-  CK(cudaGetLastError());
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int main(int argc, char** argv) {
   const int rows = argc > 1 ? std::atoi(argv[1]) : 4096;
@@ -335,29 +308,30 @@ int main(int argc, char** argv) {
   const double row_mb = static_cast<double>(rows) * kRowBytes / 1e6;
   std::printf("%-26s %6s %10s %12s\n", "variant", "blocks", "p50 us", "GB/s moved");
   for (int blocks : {24, 32, 64, prop.multiProcessorCount}) {
-    auto report = [&](const char* name, float us, double mb) {
+    auto report = [&](const char* name, std::pair<float, float> p50_min, double mb) {
+      const float us = p50_min.first;
       std::printf("%-26s %6d %10.1f %12.0f\n", name, blocks, us, mb * 1e3 / us);
     };
     // expand: rows read once, written fan times
-    report("expand regs u4", time_us([&] { warp_expand<4><<<blocks, kThreads>>>(src, dst, slots_fan, rows, fan); }),
+    report("expand regs u4", p50_min_us([&] { warp_expand<4><<<blocks, kThreads>>>(src, dst, slots_fan, rows, fan); }),
            row_mb * (1 + fan));
-    report("expand regs u8", time_us([&] { warp_expand<8><<<blocks, kThreads>>>(src, dst, slots_fan, rows, fan); }),
+    report("expand regs u8", p50_min_us([&] { warp_expand<8><<<blocks, kThreads>>>(src, dst, slots_fan, rows, fan); }),
            row_mb * (1 + fan));
-    report("expand tma", time_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst, slots_fan, rows, fan); }),
+    report("expand tma", p50_min_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst, slots_fan, rows, fan); }),
            row_mb * (1 + fan));
-    report("copy regs u8", time_us([&] { warp_expand<8><<<blocks, kThreads>>>(src, dst, slots_one, rows, 1); }),
+    report("copy regs u8", p50_min_us([&] { warp_expand<8><<<blocks, kThreads>>>(src, dst, slots_one, rows, 1); }),
            row_mb * 2);
-    report("copy tma", time_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst, slots_one, rows, 1); }),
+    report("copy tma", p50_min_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst, slots_one, rows, 1); }),
            row_mb * 2);
-    report("sum4 regs", time_us([&] { warp_sum4<<<blocks, kThreads>>>(dst, out, slots_sum, rows); }), row_mb * 5);
-    report("sum4 tma", time_us([&] { tma_sum4<kS2, kP2><<<blocks, kThreads, smem2>>>(dst, out, slots_sum, rows); }),
+    report("sum4 regs", p50_min_us([&] { warp_sum4<<<blocks, kThreads>>>(dst, out, slots_sum, rows); }), row_mb * 5);
+    report("sum4 tma", p50_min_us([&] { tma_sum4<kS2, kP2><<<blocks, kThreads, smem2>>>(dst, out, slots_sum, rows); }),
            row_mb * 5);
     if (dst_peer) {
       // to the peer: slots_one indexes rows < rows, so the peer buffer of `rows` rows suffices
-      report("peer copy regs u4", time_us([&] { warp_expand<4><<<blocks, kThreads>>>(src, dst_peer, slots_one, rows, 1); }),
+      report("peer copy regs u4", p50_min_us([&] { warp_expand<4><<<blocks, kThreads>>>(src, dst_peer, slots_one, rows, 1); }),
              row_mb);
       report("peer copy tma",
-             time_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst_peer, slots_one, rows, 1); }), row_mb);
+             p50_min_us([&] { tma_expand<kS, kP><<<blocks, kThreads, smem1>>>(src, dst_peer, slots_one, rows, 1); }), row_mb);
     }
   }
   return 0;

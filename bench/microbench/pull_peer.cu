@@ -318,14 +318,6 @@ static float from_bf16(uint16_t h) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-static std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> v;
-  for (size_t i = 0, j; i <= s.size(); i = j + 1) {
-    j = std::min(s.find(',', i), s.size());
-    if (j > i) v.push_back(s.substr(i, j - i));
-  }
-  return v;
-}
 static bool has(const std::vector<std::string>& v, const char* w) { return std::find(v.begin(), v.end(), w) != v.end(); }
 
 // A cuMem allocation on GPU 1 made and mapped the way SymmetricBuffer does it (pinned, POSIX-fd
@@ -405,11 +397,11 @@ static float time_us(const Cfg& c, const Args& a, int blocks, float* min_us) {
 }
 
 int main(int argc, char** argv) {
-  std::vector<std::string> blocks_s = split("16,24,32,64,132"), variants = split("regs4,regs8,tma,tma-both,cpasync"),
-                           kinds = split("vmm,vmm-fd,malloc,local");
+  std::vector<std::string> blocks_s = comma_list("16,24,32,64,132"), variants = comma_list("regs4,regs8,tma,tma-both,cpasync"),
+                           kinds = comma_list("vmm,vmm-fd,malloc,local");
   // S x B per warp ring.  With 16 warps, S * B (2 * S * B for tma-both) must stay under ~14.2 KB to fit in
   // 227 KB, so 6x3584 and 3x7168 (336 KB) cannot run; 4x3584, 8x1792 and 2x7168 all hold 14 KB per warp.
-  std::vector<std::string> tma = split("2x3584,4x3584,8x1792,2x7168"), tma_both = split("2x3584,4x1792");
+  std::vector<std::string> tma = comma_list("2x3584,4x3584,8x1792,2x7168"), tma_both = comma_list("2x3584,4x1792");
   for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
     auto* dst = k == "--blocks" ? &blocks_s : k == "--variants" ? &variants : k == "--kinds" ? &kinds
@@ -419,7 +411,7 @@ int main(int argc, char** argv) {
                    "[--kinds vmm,vmm-fd,malloc,local] [--tma SxB,...] [--tma-both SxB,...]\n", argv[0]);
       return 2;
     }
-    *dst = split(argv[i + 1]);
+    *dst = comma_list(argv[i + 1]);
   }
   std::vector<Cfg> cfgs;
   for (const auto& var : variants) {
@@ -428,14 +420,14 @@ int main(int argc, char** argv) {
     else if (var == "tma" || var == "tma-both")
       for (const auto& sb : var == "tma" ? tma : tma_both) {
         const Cfg c{var, std::atoi(sb.c_str()), std::atoi(sb.c_str() + std::min(sb.find('x') + 1, sb.size()))};
-        if (c.S < 1 || !has(split("1024,1792,2048,3584,7168"), std::to_string(c.B).c_str()))
+        if (c.S < 1 || !has(comma_list("1024,1792,2048,3584,7168"), std::to_string(c.B).c_str()))
           return std::fprintf(stderr, "bad %s config %s: SxB with B in 1024,1792,2048,3584,7168\n", var.c_str(), sb.c_str()), 2;
         cfgs.push_back(c);
       }
     else return std::fprintf(stderr, "unknown variant %s\n", var.c_str()), 2;
   }
   for (const auto& k : kinds)
-    if (!has(split("vmm,vmm-fd,malloc,local"), k.c_str())) return std::fprintf(stderr, "unknown kind %s\n", k.c_str()), 2;
+    if (!has(comma_list("vmm,vmm-fd,malloc,local"), k.c_str())) return std::fprintf(stderr, "unknown kind %s\n", k.c_str()), 2;
 
   int ndev = 0;
   CK(cudaGetDeviceCount(&ndev));
@@ -529,7 +521,7 @@ int main(int argc, char** argv) {
       bad = true;
     }
     a.out = out;
-    const std::vector<std::string> bl = kind == "local" ? split("24") : blocks_s;
+    const std::vector<std::string> bl = kind == "local" ? comma_list("24") : blocks_s;
     for (const Cfg& c : cfgs) {
       if (smem_of(c) > static_cast<size_t>(optin)) {
         std::printf("# %s %s S=%d B=%d needs %zu B of shared memory > %d: skipped\n", kind.c_str(), c.variant.c_str(),

@@ -163,47 +163,15 @@ void run(int v, int blocks, const Buffers& b) {
   CK(cudaGetLastError());
 }
 
-// p50 and min of ``reps`` launches (after 3 untimed), µs
-std::pair<float, float> time_us(int v, int blocks, const Buffers& b, int reps = 20) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) run(v, blocks, b);
-  std::vector<float> ts;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(e0));
-    run(v, blocks, b);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0.f;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms * 1000.f);
-  }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  std::sort(ts.begin(), ts.end());
-  return {ts[ts.size() / 2], ts.front()};
-}
-
-std::vector<std::string> split(const char* s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (const char* p = s; *p; ++p) {
-    if (*p == ',') { out.push_back(cur); cur.clear(); } else { cur += *p; }
-  }
-  if (!cur.empty()) out.push_back(cur);
-  return out;
-}
-
 int main(int argc, char** argv) {
   std::vector<int> blocks = {24};
   std::vector<int> variants;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--blocks")) {
       blocks.clear();
-      for (const auto& s : split(argv[i + 1])) blocks.push_back(std::stoi(s));
+      for (const auto& s : comma_list(argv[i + 1])) blocks.push_back(std::stoi(s));
     } else if (!std::strcmp(argv[i], "--variants")) {
-      for (const auto& s : split(argv[i + 1]))
+      for (const auto& s : comma_list(argv[i + 1]))
         for (int v = 0; v < kVariants; ++v)
           if (s == kNames[v]) variants.push_back(v);
     }
@@ -272,7 +240,7 @@ int main(int argc, char** argv) {
   std::printf("variant blocks p50_us min_us GBps\n");
   for (int nb : blocks) {
     for (int v : variants) {
-      const auto [p50, mn] = time_us(v, nb, b);
+      const auto [p50, mn] = p50_min_us([&] { run(v, nb, b); });
       const bool copy = v == kLoadOnly || v == kCopyRemote || v == kCopyRemote8 || v == kCopyRemote4 ||
                         v == kCopyRemoteOwn;
       const double per_row = copy ? kCopyRow : kQuantRow;
