@@ -402,14 +402,21 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
   int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
   // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it
   const bool staged = stage != nullptr && aligned16(dst_q, nd);
+  // the next step's pieces are loaded (raw, 4 registers per bf16 piece) before this step's are
+  // quantised, so that each step's arithmetic overlaps the next step's load latency
+  Pack8<Tin> next[kQuantAhead];
+#pragma unroll
+  for (int u = 0; u < kQuantAhead; ++u)
+    if (u * kStep + lane * 8 < hidden) next[u].load(x + u * kStep + lane * 8);
   for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
     float f[kQuantAhead][8];
     float amax[kQuantAhead];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      const int c0 = base0 + u * kStep + lane * 8;
       amax[u] = 0.f;
-      if (c0 < hidden) Vec8<Tin>::load(x + c0, f[u]);
+      next[u].unpack(f[u]);
+      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
+      if (c1 < hidden) next[u].load(x + c1);
     }
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
@@ -521,19 +528,26 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
   // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
   constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
   const bool codes_ok = stage != nullptr && aligned16(dst_q, nd), scales_ok = stage != nullptr && aligned16(dst_s, nd);
-  for (int base0 = 0; base0 < channels; base0 += kQuantAhead * 8 * kWarpSize) {
+  constexpr int kStep = 8 * kWarpSize;
+  // as in warp_quant_fp8_multi: the next step's pieces are loaded raw before this step's are quantised
+  Pack8<Tin> next[kQuantAhead];
+#pragma unroll
+  for (int u = 0; u < kQuantAhead; ++u)
+    if (u * kStep + lane * 8 < channels) next[u].load(x + u * kStep + lane * 8);
+  for (int base0 = 0; base0 < channels; base0 += kQuantAhead * kStep) {
     // per step: staged where the step's bytes are whole 16-byte vectors (codes: n % 32, scales: n % 256)
-    const int n = min(kQuantAhead * 8 * kWarpSize, channels - base0);
+    const int n = min(kQuantAhead * kStep, channels - base0);
     const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
     float f[kQuantAhead][8];
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      const int c0 = base0 + u * 8 * kWarpSize + lane * 8;
-      if (c0 < channels) Vec8<Tin>::load(x + c0, f[u]);
+      next[u].unpack(f[u]);
+      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
+      if (c1 < channels) next[u].load(x + c1);
     }
 #pragma unroll
     for (int u = 0; u < kQuantAhead; ++u) {
-      const int base = base0 + u * 8 * kWarpSize;
+      const int base = base0 + u * kStep;
       if (base >= channels) break;  // the same for every lane
       const int c0 = base + lane * 8;
       const bool active = c0 < channels;
