@@ -143,6 +143,7 @@ class ControlPlane:
         self.store_file: Optional[str] = None
         self.broken: Optional[str] = None
         self._shm: Optional[SharedAgreement] = None  # set once the ranks are known to share a host
+        self._board: Optional[SharedAgreement] = None  # that host's shared file (the close markers)
         self._store_ok = True  # False once the store failed us (its host may be the dead rank)
         self._record_tensors = (torch.zeros(4, dtype=torch.int64),
                                 [torch.zeros(4, dtype=torch.int64) for _ in range(self.size)])
@@ -170,11 +171,12 @@ class ControlPlane:
             raise
         self.host_ids = [str(h) for h, _ in ids]
         self.identities = [i for _, i in ids]
-        # one host: the per-call agreement goes through shared memory (shm_agree.py), if every rank can
+        # one host: a shared file (shm_agree.py) holds the close markers and, unless a rank opts out, the agreement
         try:
-            want = self.gather_objects(len(set(self.host_ids)) == 1 and os.environ.get(SHM_AGREE_ENV, "1") != "0")
-            if self.size > 1 and all(want):
-                self._shm = SharedAgreement.open(self.rank, self.size, self.token, self.gather_objects)
+            want = self.gather_objects(os.environ.get(SHM_AGREE_ENV, "1") != "0")
+            if self.size > 1 and len(set(self.host_ids)) == 1:
+                self._board = SharedAgreement.open(self.rank, self.size, self.token, self.gather_objects)
+                self._shm = self._board if all(want) else None
         except BaseException:
             self.close("failed while being created")
             raise
@@ -465,8 +467,9 @@ class ControlPlane:
         ``store``: as in ``_read``."""
         exited = {r: why for r, ident in enumerate(self.identities) if r != self.rank and (why := process_gone(ident))}
         markers: dict[int, Marker] = {}
+        board = self._board  # this host's copy first: no round trip, and it outlives the store's host
         for r in range(self.size) if use_store else ():
-            raw = self._read(f"left/{r}", store) if r != self.rank else None
+            raw = None if r == self.rank else (board and board.marker(r)) or self._read(f"left/{r}", store)
             if raw is not None:
                 markers[r] = decode_marker(raw, self.global_ranks)
         return classify(exited, markers, self.rank, self.labels)
@@ -552,6 +555,8 @@ class ControlPlane:
         """The close marker (``left/<rank>``), then the count of markers that the peers' NCCL watchers
         poll (one store read for them while nobody leaves)."""
         marker = encode_marker(reason, because, aborted=self._own.aborted is not None)
+        if self._board is not None:
+            self._board.leave_marker(marker)
         self._store_call(self.store.set, f"left/{self.rank}", marker)
         self._store_call(self.store.add, MARKER_COUNT, 1)
 
@@ -586,8 +591,8 @@ class ControlPlane:
         self._leave_marker(reason, because)
         if self.store_file is not None:
             self._remove_store_file_when_last()
-        if self._shm is not None:  # after the marker: a peer waiting on this rank reads why it left
-            self._shm.close()
+        if self._board is not None:  # after the marker: a peer waiting on this rank reads why it left
+            self._board.close()
         try:
             pg.shutdown()
         except Exception:  # older torch: no shutdown(); the object's destructor closes it

@@ -3,8 +3,9 @@
 Two sources: ``/proc`` (``liveness.process_gone``: same machine only) and the close markers that ranks
 leave in the plane's store when they close their end or leave after a failure (``left/<rank>``: why,
 the global ranks they lost, whether they aborted their NCCL groups), counted under ``MARKER_COUNT`` so
-that a watcher learns of a new one with one store read.  ``ControlPlane`` reads them; this module turns
-them into verdicts.
+that a watcher learns of a new one with one store read.  Ranks that share a host also leave a copy in
+their shared-memory file (``shm_agree``), which still answers when the store's host is the rank lost.
+``ControlPlane`` reads them; this module turns them into verdicts.
 """
 from __future__ import annotations
 
@@ -42,25 +43,30 @@ def classify(exited: dict[int, str], markers: dict[int, Marker], rank: int, labe
 
     ``gone``: ``{rank: why}`` for peers gone on their own account (process exited, closed the plane for
     a reason of their own, or named as lost by a peer that left); ``followers``: ``{rank: [ranks it
-    lost]}`` for peers that closed the plane because they lost others; ``dead``: the ranks of ``gone``
-    that can no longer finish an NCCL collective with this rank (process exited, named as lost, or left
-    after aborting its NCCL groups).  A peer that merely closed its end drained its device first, so
-    what it had queued with this rank completes: it is gone but not dead.
+    lost]}`` for peers that closed the plane because they lost others, even once their process has
+    exited or another follower (which saw that exit before the marker) blames them: exiting is what a
+    follower does next, no loss of its own; ``dead``: the ranks of ``gone`` that can no longer finish an NCCL
+    collective with this rank (process exited, named as lost, or left after aborting its NCCL groups).
+    A peer that merely closed its end drained its device first, so what it had queued with this rank
+    completes: it is gone but not dead.  An exited peer whose marker blames only this rank (which it
+    took for lost while this rank was merely slow) is gone.
     """
     gone, dead = dict(exited), set(exited)
     followers: dict[int, list[int]] = {}
     for r, (reason, blamed, aborted) in markers.items():
-        if r in gone:
+        if r in exited and not any(b != rank for b in blamed):
             continue
         if blamed:
             followers[r] = blamed
+            gone.pop(r, None)
+            dead.discard(r)
         else:
             gone[r] = f"it closed its end of the communicator: {reason}"
             if aborted:
                 dead.add(r)
     for r, blamed in followers.items():
         for b in blamed:  # a peer on another machine may have seen what we cannot
-            if b != rank and b not in gone:
+            if b != rank and b not in gone and b not in followers:
                 gone[b] = f"rank {labels[r]} lost it"
                 dead.add(b)
     return gone, followers, dead

@@ -13,6 +13,11 @@ never trusts a torn or half-visible record (hosts with weak memory ordering, e.g
 closed its end sets its ``closed`` word; a peer whose process died is found by ``/proc`` polls during
 the wait; anything else that keeps a peer away ends at ``timeout_s``.  The caller turns each of these
 into the same typed errors as the gloo path.
+
+The same file also holds each rank's close marker (why it left, whom it lost; ``evidence``), beside
+the copy in the rendezvous store: the mapping outlives the writer, so a peer on this host can still
+read why a rank left after that rank has exited and the store's host is gone with the rank that
+hosted it.  That is why the control plane maps the file on one host even when it agrees over gloo.
 """
 from __future__ import annotations
 
@@ -32,8 +37,21 @@ _HEADER = struct.Struct("<16sq")  # nonce, size
 _RECORD = struct.Struct("<qqqqqI")  # seq, op, epoch, status, num_tokens, crc32 of the first 40 bytes
 _SLOT = 64  # bytes per (rank, parity) record; the closed word follows the 2 records of a rank
 _RANK_BYTES = 2 * _SLOT + 64
+_MARKER_HEAD = struct.Struct("<qII")  # generation, length, crc32 of the text
 _POLL_LIVENESS_S = 0.02
 _GRACE_S = 0.002  # before a wait ends without a record: look again for this long
+
+
+def _marker_bytes(size: int) -> int:
+    """Room for one copy of a rank's close marker: a whole ``evidence.encode_marker`` text, whose reason
+    (at most 300 characters, at most 12 bytes each once JSON escapes them) and cause (at most every
+    other member's global rank) fit with room to spare."""
+    return _MARKER_HEAD.size + 4096 + 24 * size
+
+
+def file_bytes(size: int) -> int:
+    """The size of a plane's shared file: header, each rank's records, each rank's two marker copies."""
+    return _HEADER.size + size * (_RANK_BYTES + 2 * _marker_bytes(size))
 
 
 class SharedAgreement:
@@ -44,6 +62,7 @@ class SharedAgreement:
         self.rank = rank
         self.size = size
         self.seq = 0
+        self._marker_gen = 0
 
     # -- setup (collective through ``exchange``, the control plane's gloo all-gather) ---------------------
     @classmethod
@@ -51,7 +70,7 @@ class SharedAgreement:
         """The shared file for this plane, or None on every rank when any rank cannot map it (another
         /dev/shm, no permission): the caller then agrees over gloo.  Collective."""
         path = os.path.join(_DIR, f"ep_comm_agree_{token}")
-        nbytes = _HEADER.size + size * _RANK_BYTES
+        nbytes = file_bytes(size)
         nonce = secrets.token_bytes(16) if rank == 0 else b""
         mm, err = None, ""
         if rank == 0:
@@ -131,6 +150,38 @@ class SharedAgreement:
 
     def closed(self, rank: int) -> bool:
         return struct.unpack_from("<q", self._mm, self._closed_offset(rank))[0] != 0
+
+    # -- close markers ---------------------------------------------------------------------------------
+    # Two copies per rank, written alternately: a reader that meets a copy being rewritten (torn: its
+    # crc fails) still finds the previous complete marker in the other one.
+    def _marker_offset(self, rank: int, copy: int) -> int:
+        return _HEADER.size + self.size * _RANK_BYTES + (2 * rank + copy) * _marker_bytes(self.size)
+
+    def leave_marker(self, text: str) -> None:
+        """Publish this rank's close marker (replacing an earlier one) to the peers on this host."""
+        raw = text.encode()[: _marker_bytes(self.size) - _MARKER_HEAD.size]  # fits whole: see _marker_bytes
+        self._marker_gen += 1
+        off = self._marker_offset(self.rank, self._marker_gen & 1)
+        try:
+            _MARKER_HEAD.pack_into(self._mm, off, 0, 0, 0)  # no copy claims this generation until complete
+            self._mm[off + _MARKER_HEAD.size: off + _MARKER_HEAD.size + len(raw)] = raw
+            _MARKER_HEAD.pack_into(self._mm, off, self._marker_gen, len(raw), zlib.crc32(raw))
+        except ValueError:  # already unmapped (closed): the store's copy is all there is
+            pass
+
+    def marker(self, rank: int) -> Optional[str]:
+        """``rank``'s latest complete close marker, None when it left none (or this view is closed)."""
+        best: tuple[int, str] = (0, "")
+        try:
+            for copy in (0, 1):
+                off = self._marker_offset(rank, copy)
+                gen, n, crc = _MARKER_HEAD.unpack_from(self._mm, off)
+                raw = self._mm[off + _MARKER_HEAD.size: off + _MARKER_HEAD.size + n]
+                if gen > best[0] and n == len(raw) and zlib.crc32(raw) == crc:
+                    best = (gen, raw.decode(errors="replace"))
+        except ValueError:  # this rank's view is closed
+            return None
+        return best[1] if best[0] else None
 
     def wait(self, seq: int, timeout_s: float, gone: Callable[[Sequence[int]], bool]) -> tuple[list, list[int], str]:
         """Every rank's record of call ``seq``: ``(records, missing, why)``; ``missing`` is empty on

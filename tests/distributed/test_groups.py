@@ -147,6 +147,25 @@ def test_classify_tells_dead_peers_from_peers_that_closed() -> None:
     assert evidence.decode_marker("not json", labels) == ("not json", [], False)
 
 
+def test_classify_a_follower_that_has_exited_is_no_loss_of_its_own() -> None:
+    """World 3, rank 0 killed: rank 2 left because of it and exited before rank 1 looked; /proc shows
+    both processes gone, and rank 2's marker says why it left."""
+    labels = [0, 1, 2]
+    exited = {0: "its process 10 has exited", 2: "its process 12 has exited"}
+    left = {2: evidence.decode_marker(evidence.encode_marker("it failed", [0], aborted=True), labels)}
+    assert evidence.classify(exited, left, 1, labels) == ({0: "its process 10 has exited"}, {2: [0]}, {0})
+    assert set(evidence.classify(exited, {}, 1, labels)[0]) == {0, 2}  # without the marker: both look lost
+    # it left blaming only this rank (slow, not lost): its exit is the news
+    left = {2: evidence.decode_marker(evidence.encode_marker("it failed", [1], aborted=True), labels)}
+    gone, followers, dead = evidence.classify({2: "its process 12 has exited"}, left, 1, labels)
+    assert gone == {2: "its process 12 has exited"} and followers == {} and dead == {2}
+    # a follower named by another follower (which saw its exit before its marker) is still a follower
+    left = {2: evidence.decode_marker(evidence.encode_marker("it failed", [0], aborted=True), [0, 1, 2, 3]),
+            3: evidence.decode_marker(evidence.encode_marker("it failed", [0, 2], aborted=True), [0, 1, 2, 3])}
+    gone, followers, dead = evidence.classify({0: "killed", 2: "exited", 3: "exited"}, left, 1, [0, 1, 2, 3])
+    assert gone == {0: "killed"} and followers == {2: [0], 3: [0, 2]} and dead == {0}
+
+
 def test_loss_check_reads_the_store_only_after_a_new_marker() -> None:
     server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     store = dist.PrefixStore("plane/", server)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /de
 def _pair(size: int = 2):
     """One view per rank of one shared file (what SharedAgreement.open sets up across processes)."""
     path = os.path.join(shm_agree._DIR, f"ep_comm_agree_test_{os.urandom(6).hex()}")
-    nbytes = shm_agree._HEADER.size + size * shm_agree._RANK_BYTES
+    nbytes = shm_agree.file_bytes(size)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, nbytes)
     maps = [mmap.mmap(fd, nbytes) for _ in range(size)]
@@ -96,3 +96,37 @@ def test_peer_that_wrote_then_exited_between_read_and_poll_is_not_missing():
 
     recs, missing, why = a.wait(seq, 5.0, gone_after_writing)
     assert (missing, why) == ([], "") and recs[1] == (1, 0, 0, 2)
+
+
+def test_close_marker_outlives_its_writers_view():
+    """What a survivor reads when the leaver has exited and the store's host is gone with the victim."""
+    a, b, c = _pair(3)
+    assert b.marker(2) is None
+    c.leave_marker("first")
+    c.leave_marker('{"reason": "it failed", "because_of": [0], "aborted": false}')
+    c.close()  # the leaver unmaps (as its exit does): its marker stays in the peers' mappings
+    assert b.marker(2) == a.marker(2) == '{"reason": "it failed", "because_of": [0], "aborted": false}'
+    assert b.marker(0) is None and b.marker(1) is None
+    b.close()
+    assert b.marker(2) is None  # a closed view answers nothing rather than raising
+
+
+def test_torn_close_marker_falls_back_to_the_previous_one():
+    a, b = _pair()
+    b.leave_marker("closed")
+    b.leave_marker("closed again")
+    off = b._marker_offset(1, b._marker_gen & 1)
+    a._mm[off + shm_agree._MARKER_HEAD.size] ^= 0xFF  # the rewrite is not complete yet: crc fails
+    assert a.marker(1) == "closed"
+
+
+def test_largest_close_marker_fits_whole():
+    from ep_comm.distributed.evidence import decode_marker, encode_marker
+
+    size, first = 64, 10**6  # every other member lost, each with a long global rank
+    members = list(range(first, first + size))
+    views = _pair(size)
+    # a reason whose every character JSON escapes to 12 bytes (a surrogate pair)
+    views[5].leave_marker(encode_marker("\U0001F600" * 400, members[:5] + members[6:], aborted=True))
+    reason, blamed, aborted = decode_marker(views[0].marker(5) or "", members)
+    assert reason == "\U0001F600" * 300 and blamed == [r for r in range(size) if r != 5] and aborted
