@@ -72,7 +72,9 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     if cfg.zero_copy:  # x and the expert outputs where the zero-copy calls read them in place
         x = comm.dispatch_input_buffer()[:tokens]
         x.copy_(inp.x)
-    d = comm.dispatch(x, inp.topk_ids, inp.topk_weights)  # warm-up, and the shapes
+    # NVFP4's global scale: 2688 / 6, as ep-comm bench uses for its normal inputs (|x| < 6)
+    gs = torch.full((1,), 448.0, device=env.device) if cfg.quant == "nvfp4" else None
+    d = comm.dispatch(x, inp.topk_ids, inp.topk_weights, gs)  # warm-up, and the shapes
     eo = torch.randn((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device) if layout == "standard" \
         else torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
     if cfg.zero_copy:
@@ -84,7 +86,7 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(gd, stream=stream):
-            dg = comm.dispatch(x, inp.topk_ids, inp.topk_weights)
+            dg = comm.dispatch(x, inp.topk_ids, inp.topk_weights, gs)
         with torch.cuda.graph(gc, stream=stream):
             comm.combine(eo, dg, out=out)
     torch.cuda.synchronize()
@@ -134,7 +136,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--quant", default=None, choices=[None, "fp8"])
+    p.add_argument("--quant", default=None, choices=[None, "fp8", "nvfp4"])
     p.add_argument("--num-sms", type=int, default=None)
     p.add_argument("--zero-copy", action="store_true",
                    help="standard layout with EPConfig.zero_copy, x in dispatch_input_buffer, expert outputs in "
