@@ -2,7 +2,7 @@
 //
 // At EP2, 4096 tokens, the fp8 dispatch's sends take about as long as the bf16 ones although they
 // store half the bytes (docs/performance.md).  This program runs the library's own per-warp routines
-// (csrc/common/device.cuh: warp_quant_fp8_multi, warp_copy_multi) over the same shape, one warp per
+// (csrc/common/quantise.cuh: warp_quant_fp8_multi; device.cuh: warp_copy_multi) over the same shape, one warp per
 // token row, tokens strided over the grid's warps, and takes them apart:
 //
 //   copy_remote         bf16 row copied to a row on GPU 1 (the bf16 dispatch's send), 16 bytes per lane
@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "check.cuh"
-#include "common/device.cuh"
+#include "common/quantise.cuh"
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "common/quantise.cuh"
 #include "one_sided/kernel_common.cuh"
 
 namespace ep_comm {
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   __shared__ uint8_t* s_dst_s[kWarps][kMaxTopK];  // per warp: destination scales
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
   // dynamic shared memory: while sending, the quantising kernels' per-warp stages (their rows leave
-  // through them 16 bytes per lane: device.cuh, store_staged); while receiving, [world] token counts and
+  // through them 16 bytes per lane: quantise.cuh, store_staged); while receiving, [world] token counts and
   // [world][num_local] counts and slot bases.  grid_arrive's barrier lies between the two uses.
   extern __shared__ __align__(16) int s_prefix[];
   uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;

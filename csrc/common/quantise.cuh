@@ -1,0 +1,264 @@
+// The dispatch's quantisers, one warp per row piece: fp8 e4m3 with a float scale per 128 channels, and
+// NVFP4 (e2m1 values, an e4m3 scale per 16 channels, a float32 global scale), each bit-identical to its
+// torch reference (ep_comm.quant, ep_comm.quant_nvfp4).
+#pragma once
+
+#include "common/device.cuh"
+
+namespace ep_comm {
+
+// ---- fp8 e4m3, per token per 128 channels ---------------------------------------------------------
+// Bit-identical to ep_comm.quant.quantize_fp8: scale = max(amax, 1e-4) * fp32(1/448), q = RN(x / scale)
+// clamped to +-448, every NaN written as 0x7FC00000 (scale) and 0x7F (byte): a NaN makes its block NaN,
+// an inf its block's scale inf.  Explicit round-to-nearest intrinsics keep fast-math out of the recipe.
+constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8AmaxFloor = 1e-4f;
+constexpr float kFp8InvMax = 1.0f / 448.0f;
+constexpr int kQuantAhead = 4;  // pieces of 256 channels a lane loads before quantising the first
+
+__device__ __forceinline__ uint8_t fp8_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four floats to e4m3 bytes (a in the low byte), two per conversion instruction.  Saturating to +-448 is
+// the recipe's clamp for every number (448 is e4m3's largest); a NaN keeps its sign through the
+// conversion, so every byte whose low 7 bits are set (e4m3's only NaN codes) loses its sign bit.
+__device__ __forceinline__ uint32_t fp8x4_e4m3(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t w = lo | (hi << 16);
+  const uint32_t nan_bytes = ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return w & ~nan_bytes;
+}
+
+// x / s rounded to nearest, bit for bit __fdiv_rn(x, s), for a finite s > 0 and its correctly rounded
+// reciprocal inv: x * inv is within one ulp of the quotient, and one FMA residual step makes it the
+// correctly rounded one (Markstein's theorem).  A quotient small enough for the residual to underflow
+// may differ in its last bit, far below fp8's smallest value (2^-9), so the fp8 byte is the same.  The
+// sign is x's, as the quotient's is (x = -0 gives -0, which the FMA step alone turns into +0).
+__device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
+  const float q = __fmul_rn(x, inv);
+  const float r = __fmaf_rn(-q, s, x);
+  return copysignf(__fmaf_rn(r, inv, q), x);
+}
+
+// Bytes a warp's quantiser stages per step: kQuantAhead pieces of 256 channels of fp8 codes (NVFP4: half
+// of it for codes, then its e4m3 scales).
+constexpr int kQuantStageBytes = kQuantAhead * 8 * kWarpSize;
+
+// The warp's ``n`` staged bytes (a multiple of 16, ``stage`` 16-byte aligned) to each of ``nd``
+// destinations at byte ``at``, 16 bytes per lane: a remote store instruction carries 512 bytes instead
+// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  The caller brackets it with __syncwarp, so
+// that the lanes' staging is complete and the next step does not overwrite what is being read.
+__device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_t* const* dst, int nd, int at,
+                                             int lane) {
+  for (int i = lane * 16; i < n; i += kWarpSize * 16) {
+    const int4 v = *reinterpret_cast<const int4*>(stage + i);
+    for (int d = 0; d < nd; ++d) *reinterpret_cast<int4*>(dst[d] + at + i) = v;
+  }
+}
+
+// Whether every destination can take 16-byte stores at offsets that are multiples of 16.
+__device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) { return (address_bits(dst, nd) & 15) == 0; }
+
+// One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
+// consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
+// to every destination.
+template <typename Tin>
+__device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
+                                                     float* const* dst_s, int nd, int lane,
+                                                     uint8_t* stage = nullptr) {
+  // kQuantAhead pieces of 256 channels at a time, each step over all of them before the next (loads,
+  // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
+  // SM, a chain of dependent steps per piece left the SM waiting on latency
+  constexpr int kStep = 8 * kWarpSize;
+  // the scales go out 32 at a time, lane j holding the j-th (one coalesced store per destination
+  // instead of two 4-byte stores per 256 channels, which over NVLink are packets of their own)
+  float held = 0.f;
+  int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
+  // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it
+  const bool staged = stage != nullptr && aligned16(dst_q, nd);
+  // the next step's pieces are loaded (raw, 4 registers per bf16 piece) before this step's are
+  // quantised, so that each step's arithmetic overlaps the next step's load latency
+  Pack8<Tin> next[kQuantAhead];
+#pragma unroll
+  for (int u = 0; u < kQuantAhead; ++u)
+    if (u * kStep + lane * 8 < hidden) next[u].load(x + u * kStep + lane * 8);
+  for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
+    float f[kQuantAhead][8];
+    float amax[kQuantAhead];
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      amax[u] = 0.f;
+      next[u].unpack(f[u]);
+      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
+      if (c1 < hidden) next[u].load(x + c1);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      if (base0 + u * kStep + lane * 8 < hidden) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax[u] = nan_max(amax[u], fabsf(f[u][i]));
+      }
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+      for (int u = 0; u < kQuantAhead; ++u) amax[u] = nan_max(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off, 16));
+    }
+    float scale[kQuantAhead];
+    uint2 packed[kQuantAhead];
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      scale[u] = __fmul_rn(nan_max(amax[u], kFp8AmaxFloor), kFp8InvMax);
+      float q[8];
+      if (scale[u] <= 3.0e38f) {
+        const float inv = __frcp_rn(scale[u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = div_by_scale(f[u][i], scale[u], inv);
+      } else {  // amax inf or NaN
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale[u]);
+        if (scale[u] != scale[u]) scale[u] = __uint_as_float(kCanonicalNanBits);
+      }
+      packed[u] = make_uint2(fp8x4_e4m3(q[0], q[1], q[2], q[3]), fp8x4_e4m3(q[4], q[5], q[6], q[7]));
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int c0 = base0 + u * kStep + lane * 8;
+      if (c0 >= hidden) continue;
+      if (staged) *reinterpret_cast<uint2*>(stage + u * kStep + lane * 8) = packed[u];
+      else
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
+    }
+    if (staged) {
+      __syncwarp();
+      store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
+      __syncwarp();
+    }
+    // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float v = __shfl_sync(0xffffffffu, scale[u], 16 * half);
+        if (base0 + u * kStep + half * 128 < hidden) {
+          if (lane == held_n) held = v;
+          ++held_n;
+        }
+      }
+    }
+    if (held_n > kWarpSize - 2 * kQuantAhead || base0 + kQuantAhead * kStep >= hidden) {
+      for (int d = 0; d < nd; ++d)
+        if (lane < held_n) dst_s[d][held_base + lane] = held;
+      held_base += held_n;
+      held_n = 0;
+    }
+  }
+}
+
+// ---- NVFP4: e2m1 values, an e4m3 scale per 16 channels, a float32 global scale -------------------
+// Bit-identical to ep_comm.quant_nvfp4.quantize_nvfp4 (its docstring gives the recipe): every step is
+// one IEEE float32 operation in the reference's order (explicit round-to-nearest intrinsics, so nothing
+// is contracted into an FMA or turned into a reciprocal), and e2m1 rounding is the reference's own
+// comparisons, as sm_90 has no e2m1 conversion instruction.
+constexpr int kNvfp4Block = 16;
+constexpr float kE2m1InvMax = 1.0f / 6.0f;  // fl32(1/6): the reference's _INV_E2M1_MAX
+
+// float value of an e4m3 (fn) byte; NaN (0x7F / 0xFF) as NaN.  Exact: e4m3 is a subset of float32.
+__device__ __forceinline__ float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  float v;
+  if ((b & 0x7Fu) == 0x7Fu) v = __uint_as_float(0x7FC00000u);
+  else if (e == 0) v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9 (subnormal), exact
+  else v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // 2^(e-7) * (1 + m/8)
+  return (b & 0x80u) ? -v : v;
+}
+
+// e2m1 code (sign in bit 3) of q: round to nearest, ties to even, saturating at +-6; NaN is +0.  From
+// the bits, as sm_90 has no e2m1 conversion: |q| >= 1 rounds its float mantissa to one bit (ties to
+// even), which makes the code 2 * exponent + that bit - 252 (at most 7); |q| < 1 is the integer
+// nearest 2|q| (ties to even: adding 2^23 leaves it in the low bits).  The same codes as comparing
+// |q| with the midpoints 0.25, 0.75, ..., 5 (every float32 checked).
+__device__ __forceinline__ uint32_t e2m1_code(float q) {
+  const uint32_t bits = __float_as_uint(q);
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  const float a = __uint_as_float(mag);
+  const uint32_t big = min((mag + 0x1FFFFFu + ((mag >> 22) & 1u)) >> 22, 259u) - 252u;
+  const uint32_t small = __float_as_uint(__fadd_rn(__fmul_rn(a, 2.0f), 8388608.0f)) & 3u;
+  const uint32_t c = (a < 1.0f ? small : big) | ((bits >> 31) << 3);
+  return a != a ? 0u : c;
+}
+
+// One warp quantises ``channels`` consecutive elements of a row (channels % 16 == 0, x 16-byte
+// aligned) with global scale ``gs``: each lane owns 8 consecutive channels (4 bytes of codes, element
+// 2i in the low nibble of byte i), a lane pair one 16-channel block.  Writes the packed codes
+// (channels / 2 bytes, 4-byte aligned destinations) and the e4m3 block scales (channels / 16 bytes,
+// any alignment) to every destination.
+template <typename Tin>
+__device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
+                                                       uint8_t* const* dst_s, int nd, int lane,
+                                                       uint8_t* stage = nullptr) {
+  // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
+  // in flight left the loop waiting on memory latency once per piece.  With ``stage`` (kQuantStageBytes
+  // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
+  constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
+  const bool codes_ok = stage != nullptr && aligned16(dst_q, nd), scales_ok = stage != nullptr && aligned16(dst_s, nd);
+  constexpr int kStep = 8 * kWarpSize;
+  // as in warp_quant_fp8_multi: the next step's pieces are loaded raw before this step's are quantised
+  Pack8<Tin> next[kQuantAhead];
+#pragma unroll
+  for (int u = 0; u < kQuantAhead; ++u)
+    if (u * kStep + lane * 8 < channels) next[u].load(x + u * kStep + lane * 8);
+  for (int base0 = 0; base0 < channels; base0 += kQuantAhead * kStep) {
+    // per step: staged where the step's bytes are whole 16-byte vectors (codes: n % 32, scales: n % 256)
+    const int n = min(kQuantAhead * kStep, channels - base0);
+    const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
+    float f[kQuantAhead][8];
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      next[u].unpack(f[u]);
+      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
+      if (c1 < channels) next[u].load(x + c1);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantAhead; ++u) {
+      const int base = base0 + u * kStep;
+      if (base >= channels) break;  // the same for every lane
+      const int c0 = base + lane * 8;
+      const bool active = c0 < channels;
+      float amax = 0.f;
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = nan_max(fabsf(f[u][i]), amax);
+      }
+      amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
+      if (!active) continue;
+      float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
+      s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
+      const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
+      const float sf = e4m3_value(sf_code);
+      const float os = sf > 0.f ? __fdiv_rn(gs, sf) : 0.f;  // NaN or zero scale: 0
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(f[u][i], os)) << (4 * i);
+      if (codes_staged) *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
+      else
+        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
+      if ((lane & 1) == 0) {
+        if (scales_staged) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+        else
+          for (int d = 0; d < nd; ++d) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
+      }
+    }
+    if (codes_staged || scales_staged) {
+      __syncwarp();
+      if (codes_staged) store_staged(stage, n / 2, dst_q, nd, base0 / 2, lane);
+      if (scales_staged) store_staged(stage + kCodes, n / kNvfp4Block, dst_s, nd, base0 / kNvfp4Block, lane);
+      __syncwarp();
+    }
+  }
+}
+
+}  // namespace ep_comm
