@@ -72,8 +72,7 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     if cfg.zero_copy:  # x and the expert outputs where the zero-copy calls read them in place
         x = comm.dispatch_input_buffer()[:tokens]
         x.copy_(inp.x)
-    # NVFP4's global scale: 2688 / 6, as ep-comm bench uses for its normal inputs (|x| < 6)
-    gs = torch.full((1,), 448.0, device=env.device) if cfg.quant == "nvfp4" else None
+    gs = inp.x_scales  # NVFP4: the global scale of all ranks' x (oracle.random_inputs); otherwise None
     d = comm.dispatch(x, inp.topk_ids, inp.topk_weights, gs)  # warm-up, and the shapes
     eo = torch.randn((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device) if layout == "standard" \
         else torch.zeros((*d.x.shape[:-1], cfg.hidden), dtype=cfg.dtype, device=env.device)
