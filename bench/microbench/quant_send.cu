@@ -17,6 +17,9 @@
 //   quant_l2            codes and scales to one small local row per warp (stores stay in L2: loads and
 //                       the arithmetic alone)
 //   load_only           the bf16 rows read and folded into a register (reads alone)
+//   nvfp4_remote_staged NVFP4 codes and e4m3 scales to a row on GPU 1 through the shared-memory stage (what
+//                       the NVFP4 dispatch sends; global scale 448 * 6 / 128)
+//   nvfp4_l2            NVFP4 codes and scales to one small local row per warp (loads and arithmetic alone)
 //
 // The copy_remote* rows tell whether NVLink stores cost by the byte or by the store instruction.
 //
@@ -52,10 +55,13 @@ constexpr int64_t kQuantRow = kHidden + kScales * 4;  // codes, then float scale
 constexpr int64_t kCopyRow = kHidden * 2;
 
 enum Variant { kCopyRemote, kCopyRemote8, kCopyRemote4, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn,
-               kQuantRemoteStaged, kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kVariants };
+               kQuantRemoteStaged, kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kNvfp4RemoteStaged,
+               kNvfp4L2, kVariants };
 const char* const kNames[kVariants] = {"copy_remote", "copy_remote_8b", "copy_remote_4b", "copy_remote_own",
                                        "quant_remote", "quant_remote_own", "quant_remote_staged",
-                                       "quant_scales_local", "quant_local", "quant_l2", "load_only"};
+                                       "quant_scales_local", "quant_local", "quant_l2", "load_only",
+                                       "nvfp4_remote_staged", "nvfp4_l2"};
+constexpr float kNvfp4GlobalScale = 448.0f * 6.0f / 128.0f;  // the inputs' amax is below 128
 
 // a warp's copy of ``bytes`` with T-sized loads and stores per lane, 64 bytes per lane loaded before
 // they are stored (the bytes in flight of warp_copy_multi's send side, whatever T)
@@ -120,6 +126,8 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
       switch (kV) {
         case kCopyRemote: dst[0] = remote; break;
         case kCopyRemoteOwn: dst[0] = remote; dst[1] = local; nd = 2; break;
+        case kNvfp4RemoteStaged: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden / 2); break;
+        case kNvfp4L2: dst[0] = scratch; scl[0] = reinterpret_cast<float*>(scratch + kHidden / 2); break;
         case kQuantRemote:
         case kQuantRemoteStaged: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden); break;
         case kQuantRemoteOwn:
@@ -135,6 +143,10 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
     nd = __shfl_sync(0xffffffffu, nd, 0);
     __syncwarp();
     if (copy) ep_comm::warp_copy_multi<false>(reinterpret_cast<const uint8_t*>(row), dst, nd, kCopyRow, lane);
+    else if (kV == kNvfp4RemoteStaged || kV == kNvfp4L2)  // codes, then the e4m3 scales
+      ep_comm::warp_quant_nvfp4_multi<__nv_bfloat16>(row, kHidden, kNvfp4GlobalScale, dst,
+                                                     reinterpret_cast<uint8_t* const*>(scl), nd, lane,
+                                                     kV == kNvfp4RemoteStaged ? s_stage[warp] : nullptr);
     else
       ep_comm::warp_quant_fp8_multi<__nv_bfloat16>(row, kHidden, dst, scl, nd, lane,
                                                    kV == kQuantRemoteStaged ? s_stage[warp] : nullptr);
@@ -158,6 +170,8 @@ void run(int v, int blocks, const Buffers& b) {
     case kQuantScalesLocal: launch<kQuantScalesLocal>(blocks, b); break;
     case kQuantLocal: launch<kQuantLocal>(blocks, b); break;
     case kQuantL2: launch<kQuantL2>(blocks, b); break;
+    case kNvfp4RemoteStaged: launch<kNvfp4RemoteStaged>(blocks, b); break;
+    case kNvfp4L2: launch<kNvfp4L2>(blocks, b); break;
     default: launch<kLoadOnly>(blocks, b); break;
   }
   CK(cudaGetLastError());
@@ -243,7 +257,8 @@ int main(int argc, char** argv) {
       const auto [p50, mn] = p50_min_us([&] { run(v, nb, b); });
       const bool copy = v == kLoadOnly || v == kCopyRemote || v == kCopyRemote8 || v == kCopyRemote4 ||
                         v == kCopyRemoteOwn;
-      const double per_row = copy ? kCopyRow : kQuantRow;
+      const bool nvfp4 = v == kNvfp4RemoteStaged || v == kNvfp4L2;
+      const double per_row = copy ? kCopyRow : nvfp4 ? kHidden / 2 + kHidden / 16 : kQuantRow;
       std::printf("%s %d %.1f %.1f %.0f\n", kNames[v], nb, p50, mn, per_row * kTokens / (p50 * 1e3));
     }
   }
