@@ -42,10 +42,11 @@ __device__ __forceinline__ uint32_t fp8x4_e4m3(float a, float b, float c, float 
 // x / s rounded to nearest, bit for bit __fdiv_rn(x, s), for a finite s > 0 and its correctly rounded
 // reciprocal inv: x * inv is within one ulp of the quotient, and one FMA residual step makes it the
 // correctly rounded one (Markstein's theorem).  A quotient small enough for the residual to underflow
-// may differ in its last bit, far below fp8's smallest value (2^-9), so the fp8 byte is the same (bench/microbench/quant_arith.cu checks every float32).  The
-// residual is taken as -(q * s - x), not x - q * s: the two differ only where it is zero, which is then
-// -0 rather than +0, so that q + r * inv keeps q's sign where q is zero (x = -0 gives -0, as the
-// quotient does) and is q otherwise.  Both negations are operand modifiers: 3 instructions.
+// may differ in its last bit, far below fp8's smallest value (2^-9), so the fp8 byte is the same
+// (bench/microbench/quant_arith.cu checks every float32 a block can hold).  The residual is taken as
+// -(q * s - x), not x - q * s: the two differ only where it is zero, which is then -0 rather than +0,
+// so that q + r * inv keeps q's sign where q is zero (x = -0 gives -0, as the quotient does) and is q
+// otherwise.  Both negations are operand modifiers: 3 instructions.
 __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   const float q = __fmul_rn(x, inv);
   const float r = -__fmaf_rn(q, s, -x);
@@ -127,7 +128,8 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = div_by_scale(f[u][i], scale[u], inv);
         // a finite scale means a finite amax: no q is NaN
-        packed[u] = make_uint2(fp8x4_e4m3_not_nan(q[0], q[1], q[2], q[3]), fp8x4_e4m3_not_nan(q[4], q[5], q[6], q[7]));
+        packed[u] = make_uint2(fp8x4_e4m3_not_nan(q[0], q[1], q[2], q[3]),
+                               fp8x4_e4m3_not_nan(q[4], q[5], q[6], q[7]));
       } else {  // amax inf or NaN
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale[u]);
@@ -209,7 +211,7 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 // is the even code).  One FMA adding 1.5 * 2^23 does that rounding and leaves the integer in the
 // float's low bits; the exponent field of max(|q|, 1), shifted, is 2k + 254.  Each code thus carries
 // the constant kBias, which the packed sum sheds once (arithmetic modulo 2^32).  About 10 instructions
-// an element where e2m1_code takes 18; the same codes for every float32 (bench/microbench/quant_arith.cu).
+// an element where e2m1_code takes 16; the same codes for every float32 (bench/microbench/quant_arith.cu).
 __device__ __forceinline__ uint32_t e2m1_pack8(const float* q) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   constexpr uint32_t kBias = 0x4B400000u + 254u;  // kRound's bits + the exponent field's 254
