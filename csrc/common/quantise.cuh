@@ -17,7 +17,6 @@ constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = 1.0f / 448.0f;
-constexpr int kQuantAhead = 4;  // pieces of 256 channels a lane loads before quantising the first
 
 __device__ __forceinline__ uint8_t fp8_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
@@ -53,18 +52,23 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return __fmaf_rn(r, inv, q);
 }
 
-// Bytes a warp's quantiser stages per step: kQuantAhead pieces of 256 channels of fp8 codes (NVFP4: half
-// of it for codes, then its e4m3 scales).
-constexpr int kQuantStageBytes = kQuantAhead * 8 * kWarpSize;
+// Channels a warp's quantiser takes per step (fp8: 8 blocks of 128; NVFP4: 64 blocks of 16), and the
+// bytes it stages per step: fp8 codes, or NVFP4 codes (half of it) then their e4m3 scales.
+constexpr int kQuantStep = 1024;
+constexpr int kQuantStageBytes = kQuantStep;
 
 // The warp's ``n`` staged bytes (a multiple of 16, ``stage`` 16-byte aligned) to each of ``nd``
 // destinations at byte ``at``, 16 bytes per lane: a remote store instruction carries 512 bytes instead
-// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  The caller brackets it with __syncwarp, so
-// that the lanes' staging is complete and the next step does not overwrite what is being read.
+// of the 256 (fp8) or 128 (NVFP4) the lanes' own codes make.  kSwizzled: logical byte o is staged at
+// o ^ stage_swizzle(o) (fp8's stage, see there).  The caller brackets it with __syncwarp, so that the
+// lanes' staging is complete and the next step does not overwrite what is being read.
+__device__ __forceinline__ int stage_swizzle(int o) { return ((o >> 7) & 3) << 5; }
+
+template <bool kSwizzled = false>
 __device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_t* const* dst, int nd, int at,
                                              int lane) {
   for (int i = lane * 16; i < n; i += kWarpSize * 16) {
-    const int4 v = *reinterpret_cast<const int4*>(stage + i);
+    const int4 v = *reinterpret_cast<const int4*>(stage + (kSwizzled ? i ^ stage_swizzle(i) : i));
     for (int d = 0; d < nd; ++d) *reinterpret_cast<int4*>(dst[d] + at + i) = v;
   }
 }
@@ -72,97 +76,95 @@ __device__ __forceinline__ void store_staged(const uint8_t* stage, int n, uint8_
 // Whether every destination can take 16-byte stores at offsets that are multiples of 16.
 __device__ __forceinline__ bool aligned16(uint8_t* const* dst, int nd) { return (address_bits(dst, nd) & 15) == 0; }
 
-// One warp quantises one row of ``hidden`` elements (hidden % 128 == 0): each lane owns 8
-// consecutive channels, 16 lanes one 128-channel block.  Writes the fp8 bytes and the float scales
-// to every destination.
+// One warp quantises one row of ``hidden`` elements (hidden % 128 == 0), 1024 channels a step: lanes
+// 4b..4b+3 own the step's block b (128 channels), lane 4b+j its channels 32u + 8j .. +8 for u = 0..3.
+// A block's maximum is then a 4-lane reduction, and each lane computes its block's scale and
+// reciprocal once per 32 of its elements, while each load instruction still reads whole 32-byte
+// sectors (lanes 4b..4b+3 read 64 contiguous bytes).  Writes the fp8 bytes and the float scales to
+// every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, uint8_t* const* dst_q,
                                                      float* const* dst_s, int nd, int lane,
                                                      uint8_t* stage = nullptr) {
-  // kQuantAhead pieces of 256 channels at a time, each step over all of them before the next (loads,
-  // block maxima, their shuffles, the quantisation, the stores): with a dispatch block's 16 warps per
-  // SM, a chain of dependent steps per piece left the SM waiting on latency
-  constexpr int kStep = 8 * kWarpSize;
+  constexpr int kParts = 4;  // a lane's 8-channel parts of its block
+  const int blk = lane >> 2;
+  const int mine = blk * 128 + (lane & 3) * 8;  // the lane's first channel in a step
   // the scales go out 32 at a time, lane j holding the j-th (one coalesced store per destination
-  // instead of two 4-byte stores per 256 channels, which over NVLink are packets of their own)
+  // instead of 4-byte stores per block, which over NVLink are packets of their own)
   float held = 0.f;
   int held_n = 0, held_base = 0;  // warp-uniform: scales held, index of the first
-  // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it
+  // ``stage`` (kQuantStageBytes of this warp's shared memory): the codes go out through it.  Part u of
+  // block b is staged at 128b + 32(u ^ (b & 3)) + 8j rather than 128b + 32u + 8j, so that the 16 lanes
+  // of a half-warp's 8-byte stores hit 16 different bank pairs (unswizzled, blocks 0..3 collide)
   const bool staged = stage != nullptr && aligned16(dst_q, nd);
-  // the next step's pieces are loaded (raw, 4 registers per bf16 piece) before this step's are
+  // the next step's parts are loaded (raw, 4 registers per bf16 part) before this step's are
   // quantised, so that each step's arithmetic overlaps the next step's load latency
-  Pack8<Tin> next[kQuantAhead];
+  Pack8<Tin> next[kParts];
+  if (mine < hidden) {
 #pragma unroll
-  for (int u = 0; u < kQuantAhead; ++u)
-    if (u * kStep + lane * 8 < hidden) next[u].load(x + u * kStep + lane * 8);
-  for (int base0 = 0; base0 < hidden; base0 += kQuantAhead * kStep) {
-    float f[kQuantAhead][8];
-    float amax[kQuantAhead];
+    for (int u = 0; u < kParts; ++u) next[u].load(x + mine + 32 * u);
+  }
+  for (int base0 = 0; base0 < hidden; base0 += kQuantStep) {
+    const bool active = base0 + mine < hidden;  // hidden % 128 == 0: whole blocks
+    float f[kParts][8];
 #pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      amax[u] = 0.f;
-      next[u].unpack(f[u]);
-      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
-      if (c1 < hidden) next[u].load(x + c1);
+    for (int u = 0; u < kParts; ++u) next[u].unpack(f[u]);
+    if (base0 + kQuantStep + mine < hidden) {
+#pragma unroll
+      for (int u = 0; u < kParts; ++u) next[u].load(x + base0 + kQuantStep + mine + 32 * u);
     }
+    float m[kParts];
 #pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      if (base0 + u * kStep + lane * 8 < hidden) {
+    for (int u = 0; u < kParts; ++u) {
+      m[u] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax[u] = nan_max(amax[u], fabsf(f[u][i]));
-      }
+      for (int i = 0; i < 8; ++i) m[u] = nan_max(m[u], fabsf(f[u][i]));
     }
+    float amax = active ? nan_max(nan_max(m[0], m[1]), nan_max(m[2], m[3])) : 0.f;
+    amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    float scale = __fmul_rn(nan_max(amax, kFp8AmaxFloor), kFp8InvMax);
+    uint2 packed[kParts];
+    if (scale <= 3.0e38f) {
+      const float inv = __frcp_rn(scale);
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) {
+      for (int u = 0; u < kParts; ++u) {
+        float q[8];
 #pragma unroll
-      for (int u = 0; u < kQuantAhead; ++u) amax[u] = nan_max(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off, 16));
-    }
-    float scale[kQuantAhead];
-    uint2 packed[kQuantAhead];
-#pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      scale[u] = __fmul_rn(nan_max(amax[u], kFp8AmaxFloor), kFp8InvMax);
-      float q[8];
-      if (scale[u] <= 3.0e38f) {
-        const float inv = __frcp_rn(scale[u]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = div_by_scale(f[u][i], scale[u], inv);
+        for (int i = 0; i < 8; ++i) q[i] = div_by_scale(f[u][i], scale, inv);
         // a finite scale means a finite amax: no q is NaN
-        packed[u] = make_uint2(fp8x4_e4m3_not_nan(q[0], q[1], q[2], q[3]),
-                               fp8x4_e4m3_not_nan(q[4], q[5], q[6], q[7]));
-      } else {  // amax inf or NaN
+        packed[u] = make_uint2(fp8x4_e4m3_not_nan(q[0], q[1], q[2], q[3]), fp8x4_e4m3_not_nan(q[4], q[5], q[6], q[7]));
+      }
+    } else {  // amax inf or NaN
 #pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale[u]);
-        if (scale[u] != scale[u]) scale[u] = __uint_as_float(kCanonicalNanBits);
+      for (int u = 0; u < kParts; ++u) {
+        float q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(f[u][i], scale);
         packed[u] = make_uint2(fp8x4_e4m3(q[0], q[1], q[2], q[3]), fp8x4_e4m3(q[4], q[5], q[6], q[7]));
       }
+      if (scale != scale) scale = __uint_as_float(kCanonicalNanBits);
     }
+    if (active) {
 #pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      const int c0 = base0 + u * kStep + lane * 8;
-      if (c0 >= hidden) continue;
-      if (staged) *reinterpret_cast<uint2*>(stage + u * kStep + lane * 8) = packed[u];
-      else
-        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + c0) = packed[u];
+      for (int u = 0; u < kParts; ++u) {
+        const int o = mine + 32 * u;
+        if (staged) *reinterpret_cast<uint2*>(stage + (o ^ stage_swizzle(o))) = packed[u];
+        else
+          for (int d = 0; d < nd; ++d) *reinterpret_cast<uint2*>(dst_q[d] + base0 + o) = packed[u];
+      }
     }
     if (staged) {
       __syncwarp();
-      store_staged(stage, min(kQuantAhead * kStep, hidden - base0), dst_q, nd, base0, lane);
+      store_staged<true>(stage, min(kQuantStep, hidden - base0), dst_q, nd, base0, lane);
       __syncwarp();
     }
-    // block (base0 + u * kStep) / 128 + half's scale is held by lanes [16 * half, 16 * half + 16)
-#pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float v = __shfl_sync(0xffffffffu, scale[u], 16 * half);
-        if (base0 + u * kStep + half * 128 < hidden) {
-          if (lane == held_n) held = v;
-          ++held_n;
-        }
-      }
-    }
-    if (held_n > kWarpSize - 2 * kQuantAhead || base0 + kQuantAhead * kStep >= hidden) {
+    // the step's nb block scales, block b's held by lanes 4b..4b+3, go to lanes held_n .. held_n + nb
+    const int nb = min(kQuantStep, hidden - base0) / 128;
+    const float v = __shfl_sync(0xffffffffu, scale, 4 * ((lane - held_n) & 7));
+    if (lane >= held_n && lane < held_n + nb) held = v;
+    held_n += nb;
+    if (held_n > kWarpSize - kQuantStep / 128 || base0 + kQuantStep >= hidden) {
       for (int d = 0; d < nd; ++d)
         if (lane < held_n) dst_s[d][held_base + lane] = held;
       held_base += held_n;
@@ -179,14 +181,10 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 constexpr int kNvfp4Block = 16;
 constexpr float kE2m1InvMax = 1.0f / 6.0f;  // fl32(1/6): the reference's _INV_E2M1_MAX
 
-// float value of an e4m3 (fn) byte; NaN (0x7F / 0xFF) as NaN.  Exact: e4m3 is a subset of float32.
+// float value of an e4m3 (fn) byte; NaN (0x7F / 0xFF) as NaN.  Exact: e4m3 is a subset of float16,
+// which is a subset of float32 (sm_89's e4m3 to f16 conversion, then f16 to f32).
 __device__ __forceinline__ float e4m3_value(uint32_t b) {
-  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
-  float v;
-  if ((b & 0x7Fu) == 0x7Fu) v = __uint_as_float(0x7FC00000u);
-  else if (e == 0) v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9 (subnormal), exact
-  else v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // 2^(e-7) * (1 + m/8)
-  return (b & 0x80u) ? -v : v;
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
 // e2m1 code (sign in bit 3) of q: round to nearest, ties to even, saturating at +-6; NaN is +0.  From
@@ -228,72 +226,87 @@ __device__ __forceinline__ uint32_t e2m1_pack8(const float* q) {
 }
 
 // One warp quantises ``channels`` consecutive elements of a row (channels % 16 == 0, x 16-byte
-// aligned) with global scale ``gs``: each lane owns 8 consecutive channels (4 bytes of codes, element
-// 2i in the low nibble of byte i), a lane pair one 16-channel block.  Writes the packed codes
-// (channels / 2 bytes, 4-byte aligned destinations) and the e4m3 block scales (channels / 16 bytes,
-// any alignment) to every destination.
+// aligned) with global scale ``gs``, 1024 channels a step: lane l owns the step's 16-channel blocks l
+// and 32 + l (8 bytes of codes each, element 2i in the low nibble of byte i), so each block's maximum,
+// e4m3 scale and gs / scale are computed once, by one lane, with no shuffle.  Writes the packed codes
+// (channels / 2 bytes, 4-byte aligned destinations) and the e4m3 block scales (channels / 16 bytes, any
+// alignment) to every destination.
 template <typename Tin>
 __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channels, float gs, uint8_t* const* dst_q,
                                                        uint8_t* const* dst_s, int nd, int lane,
                                                        uint8_t* stage = nullptr) {
-  // kQuantAhead pieces of 256 channels are loaded before any is quantised: one 16-byte load per lane
-  // in flight left the loop waiting on memory latency once per piece.  With ``stage`` (kQuantStageBytes
-  // of this warp's shared memory) a step's codes and scales go out through it, 16 bytes per lane.
-  constexpr int kCodes = kQuantAhead * 4 * kWarpSize;  // code bytes per step
+  constexpr int kBlocks = kQuantStep / kNvfp4Block / kWarpSize;  // a lane's blocks per step
+  constexpr int kCodes = kQuantStep / 2;  // code bytes per step; the scales are staged after them
+  // with ``stage`` (kQuantStageBytes of this warp's shared memory) a step's codes and scales go out
+  // through it, 16 bytes per lane
   const bool codes_ok = stage != nullptr && aligned16(dst_q, nd), scales_ok = stage != nullptr && aligned16(dst_s, nd);
-  constexpr int kStep = 8 * kWarpSize;
-  // as in warp_quant_fp8_multi: the next step's pieces are loaded raw before this step's are quantised
-  Pack8<Tin> next[kQuantAhead];
+  // as in warp_quant_fp8_multi: the next step's blocks are loaded raw before this step's are quantised
+  Pack8<Tin> next[kBlocks][2];
 #pragma unroll
-  for (int u = 0; u < kQuantAhead; ++u)
-    if (u * kStep + lane * 8 < channels) next[u].load(x + u * kStep + lane * 8);
-  for (int base0 = 0; base0 < channels; base0 += kQuantAhead * kStep) {
+  for (int b = 0; b < kBlocks; ++b) {
+    const int c = (b * kWarpSize + lane) * kNvfp4Block;
+    if (c < channels) {
+      next[b][0].load(x + c);
+      next[b][1].load(x + c + 8);
+    }
+  }
+  for (int base0 = 0; base0 < channels; base0 += kQuantStep) {
     // per step: staged where the step's bytes are whole 16-byte vectors (codes: n % 32, scales: n % 256)
-    const int n = min(kQuantAhead * kStep, channels - base0);
+    const int n = min(kQuantStep, channels - base0);
     const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
-    float f[kQuantAhead][8];
+    float f[kBlocks][16];
 #pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      next[u].unpack(f[u]);
-      const int c1 = base0 + (kQuantAhead + u) * kStep + lane * 8;
-      if (c1 < channels) next[u].load(x + c1);
+    for (int b = 0; b < kBlocks; ++b) {
+      next[b][0].unpack(f[b]);
+      next[b][1].unpack(f[b] + 8);
+      const int c1 = base0 + kQuantStep + (b * kWarpSize + lane) * kNvfp4Block;
+      if (c1 < channels) {
+        next[b][0].load(x + c1);
+        next[b][1].load(x + c1 + 8);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kQuantAhead; ++u) {
-      const int base = base0 + u * kStep;
-      if (base >= channels) break;  // the same for every lane
-      const int c0 = base + lane * 8;
-      const bool active = c0 < channels;
-      float amax = 0.f;
-      if (active) {
+    for (int b = 0; b < kBlocks; ++b) {
+      const int o = (b * kWarpSize + lane) * kNvfp4Block;  // the block's first channel in the step
+      if (o >= n) continue;
+      float m0 = 0.f, m1 = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = nan_max(fabsf(f[u][i]), amax);
+      for (int i = 0; i < 8; ++i) {
+        m0 = nan_max(m0, fabsf(f[b][i]));
+        m1 = nan_max(m1, fabsf(f[b][8 + i]));
       }
-      amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
-      if (!active) continue;
+      const float amax = nan_max(m0, m1);
       float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
       s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
       const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
       const float sf = e4m3_value(sf_code);
       const float os = sf > 0.f ? __fdiv_rn(gs, sf) : 0.f;  // NaN or zero scale: 0
-      float q[8];
+      float q[16];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = __fmul_rn(f[u][i], os);
-      uint32_t packed = 0;
+      for (int i = 0; i < 16; ++i) q[i] = __fmul_rn(f[b][i], os);
+      uint2 packed = make_uint2(0u, 0u);
       if (amax <= FLT_MAX && os <= FLT_MAX) {  // finite: no q is NaN (an overflow to inf codes as 6)
-        packed = e2m1_pack8(q);
+        packed = make_uint2(e2m1_pack8(q), e2m1_pack8(q + 8));
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) packed |= e2m1_code(q[i]) << (4 * i);
+        for (int i = 0; i < 8; ++i) {
+          packed.x |= e2m1_code(q[i]) << (4 * i);
+          packed.y |= e2m1_code(q[8 + i]) << (4 * i);
+        }
       }
-      if (codes_staged) *reinterpret_cast<uint32_t*>(stage + (c0 - base0) / 2) = packed;
+      const int c0 = base0 + o;
+      if (codes_staged) {
+        *reinterpret_cast<uint2*>(stage + o / 2) = packed;
+      } else {
+        for (int d = 0; d < nd; ++d) {
+          uint32_t* at = reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2);
+          at[0] = packed.x;
+          at[1] = packed.y;
+        }
+      }
+      if (scales_staged) stage[kCodes + o / kNvfp4Block] = static_cast<uint8_t>(sf_code);
       else
-        for (int d = 0; d < nd; ++d) *reinterpret_cast<uint32_t*>(dst_q[d] + c0 / 2) = packed;
-      if ((lane & 1) == 0) {
-        if (scales_staged) stage[kCodes + (c0 - base0) / kNvfp4Block] = static_cast<uint8_t>(sf_code);
-        else
-          for (int d = 0; d < nd; ++d) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
-      }
+        for (int d = 0; d < nd; ++d) dst_s[d][c0 / kNvfp4Block] = static_cast<uint8_t>(sf_code);
     }
     if (codes_staged || scales_staged) {
       __syncwarp();

@@ -20,7 +20,11 @@ from .test_nvshmem import PUT, _why_skip
 pytestmark = [pytest.mark.gpu]
 
 TOKENS = 6
-HIDDENS = (128, 2048)  # one block a row; 2048 channels, sent in pieces
+# one block a row; 2048 channels, sent in pieces of 256; LONG channels on one SM: pieces of 34 and 31
+# blocks, so a warp quantises whole steps of 8 blocks, a last step of 2 or 7, and more than the 32 block
+# scales it holds before storing them
+LONG = 8320
+HIDDENS = (128, 2048, LONG)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("standard", "batched", "zero_copy")
 
@@ -43,6 +47,9 @@ def _rows(world: int, hidden: int, dtype: torch.dtype, seed: int) -> list[torch.
         x[3, 1] = float("nan")  # block 0: NaN and inf
         x[3, 2] = float("-inf")
         x[4, :4] = torch.tensor([448.0, -448.0, 1e-30, -1e-30])  # the block's extremes and flushed values
+        if hidden > 1024:  # non-finite blocks in the middle of a step, in the rows' later pieces
+            x[1, hidden - 300] = float("nan")
+            x[2, hidden // 2 + 200] = float("-inf")
         out.append(x.to(dtype))
     return out
 
@@ -94,7 +101,9 @@ def exact_bytes(backends: tuple[str, ...]) -> dict:
                 for hidden in HIDDENS:
                     seed += 1
                     key = f"{backend}/{layout}/{dt_name}/h{hidden}"
-                    kw = dict(zero_copy=True) if layout == "zero_copy" else {}
+                    kw: dict = dict(zero_copy=True) if layout == "zero_copy" else {}
+                    if hidden == LONG:
+                        kw["num_sms"] = 1
                     # every token to every rank: top_k = all experts
                     cfg = cases.make_cfg(world, backend, "standard" if layout == "zero_copy" else layout, "fp8",
                                          max_tokens=TOKENS, hidden=hidden, dtype=dtype, num_experts=2 * world,
