@@ -26,9 +26,8 @@
 // Rows are x: 4096 x 7168 bf16 on GPU 0; destinations 7168 bytes of codes then 56 float scales (fp8),
 // 3584 bytes of codes then 448 e4m3 scales (NVFP4) or 14336 bytes (bf16) per row.  Prints `variant
 // blocks p50_us min_us GBps` (GBps: bytes stored per destination row set / p50, or bytes read for
-// load_only), then `done`.  quant_remote's and
-// quant_remote_staged's codes and scales are compared with quant_local's, byte for byte; exit code 1 on
-// a difference.
+// load_only), then `done`.  quant_remote's and quant_remote_staged's codes and scales are compared
+// with quant_local's, byte for byte; exit code 1 on a difference.
 //
 // Build and run (2 GPUs, no torch; csrc/common/protocol_table.h comes from the library's build,
 // `python3 -m pip install --no-build-isolation --no-deps -e .`):
