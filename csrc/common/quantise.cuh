@@ -207,20 +207,22 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 // (k = 0 below 1), where e2m1's values are spaced 2^(k-1) apart and start at code 2k, so the code is 2k
 // plus |q| * 2^(1-k) rounded to the nearest integer, ties to even (the e2m1 rounding: the even integer
 // is the even code).  One FMA adding 1.5 * 2^23 does that rounding and leaves the integer in the
-// float's low bits; the exponent field of max(|q|, 1), shifted, is 2k + 254.  Each code thus carries
-// the constant kBias, which the packed sum sheds once (arithmetic modulo 2^32).  About 10 instructions
-// an element where e2m1_code takes 16; the same codes for every float32 (bench/microbench/quant_arith.cu).
+// float's low bits.  The multiplier 2^(1-k) is max(|q|, 1)'s exponent field inverted (255 - (127 + k)
+// = 128 - k: one LOP3), and that field, shifted, is 256 - 2k, so the code is the FMA's bits minus it:
+// each code carries the constant kBias, which the packed sum sheds once (arithmetic modulo 2^32).
+// About 9 instructions an element where e2m1_code takes 16; the same codes for every float32
+// (bench/microbench/quant_arith.cu).
 __device__ __forceinline__ uint32_t e2m1_pack8(const float* q) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-  constexpr uint32_t kBias = 0x4B400000u + 254u;  // kRound's bits + the exponent field's 254
+  constexpr uint32_t kBias = 0x4B400000u - 256u;  // kRound's bits - the inverted field's 256
   uint32_t sum = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float a = fminf(fabsf(q[i]), 6.0f);
-    const uint32_t pow2k = __float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u;  // 2^k
-    const float n = __fmaf_rn(a, __uint_as_float(0x7F800000u - pow2k), kRound);  // a * 2^(1-k) + kRound
+    const uint32_t mult = ~__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u;  // 2^(1-k)
+    const float n = __fmaf_rn(a, __uint_as_float(mult), kRound);  // a * 2^(1-k) + kRound
     const uint32_t sign = (__float_as_uint(q[i]) >> 28) & 8u;
-    sum += (__float_as_uint(n) + (pow2k >> 22) + sign) << (4 * i);
+    sum += (__float_as_uint(n) - (mult >> 22) + sign) << (4 * i);
   }
   return sum - kBias * 0x11111111u;
 }
