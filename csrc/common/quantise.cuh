@@ -212,6 +212,8 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
 // each code carries the constant kBias, which the packed sum sheds once (arithmetic modulo 2^32).
 // About 9 instructions an element where e2m1_code takes 16; the same codes for every float32
 // (bench/microbench/quant_arith.cu).
+// kSigned false: the codes of |q[i]|, to which the caller adds the sign bits (sign_nibbles).
+template <bool kSigned = true>
 __device__ __forceinline__ uint32_t e2m1_pack8(const float* q) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   constexpr uint32_t kBias = 0x4B400000u - 256u;  // kRound's bits - the inverted field's 256
@@ -221,10 +223,22 @@ __device__ __forceinline__ uint32_t e2m1_pack8(const float* q) {
     const float a = fminf(fabsf(q[i]), 6.0f);
     const uint32_t mult = ~__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u;  // 2^(1-k)
     const float n = __fmaf_rn(a, __uint_as_float(mult), kRound);  // a * 2^(1-k) + kRound
-    const uint32_t sign = (__float_as_uint(q[i]) >> 28) & 8u;
+    const uint32_t sign = kSigned ? (__float_as_uint(q[i]) >> 28) & 8u : 0u;
     sum += (__float_as_uint(n) - (mult >> 22) + sign) << (4 * i);
   }
   return sum - kBias * 0x11111111u;
+}
+
+// The sign bits of eight 16-bit floats (bf16 or fp16; element 2k in the low half of word k of ``w``)
+// where e2m1_pack8 puts a code's sign: element i's at bit 4i + 3.  Word k's high bytes hold the signs
+// of elements 2k (byte 1) and 2k + 1 (byte 3): gathering those bytes of the four words puts element
+// 2k + 1's sign at bit 8k + 7 and element 2k's at 8k + 7 of the other gather, then 8k + 3.  Nine
+// instructions for eight values, where taking each sign from its quotient costs two a value.
+__device__ __forceinline__ uint32_t sign_nibbles(const int4& w) {
+  const uint32_t w0 = w.x, w1 = w.y, w2 = w.z, w3 = w.w;
+  const uint32_t odd = __byte_perm(__byte_perm(w0, w1, 0x0073u), __byte_perm(w2, w3, 0x0073u), 0x5410u);
+  const uint32_t even = __byte_perm(__byte_perm(w0, w1, 0x0051u), __byte_perm(w2, w3, 0x0051u), 0x5410u);
+  return (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 }
 
 // One warp quantises ``channels`` consecutive elements of a row (channels % 16 == 0, x 16-byte
@@ -257,8 +271,13 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
     const int n = min(kQuantStep, channels - base0);
     const bool codes_staged = codes_ok && n % 32 == 0, scales_staged = scales_ok && n % 256 == 0;
     float f[kBlocks][16];
+    // 16-bit inputs: the codes' sign bits straight from the raw words (on the finite path a quotient
+    // has its input's sign: the block's gs / scale is finite and not negative)
+    constexpr bool kRawSigns = sizeof(Tin) == 2;
+    uint2 signs[kBlocks];
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
+      if (kRawSigns) signs[b] = make_uint2(sign_nibbles(next[b][0].w[0]), sign_nibbles(next[b][1].w[0]));
       next[b][0].unpack(f[b]);
       next[b][1].unpack(f[b] + 8);
       const int c1 = base0 + kQuantStep + (b * kWarpSize + lane) * kNvfp4Block;
@@ -288,7 +307,8 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
       for (int i = 0; i < 16; ++i) q[i] = __fmul_rn(f[b][i], os);
       uint2 packed = make_uint2(0u, 0u);
       if (amax <= FLT_MAX && os <= FLT_MAX) {  // finite: no q is NaN (an overflow to inf codes as 6)
-        packed = make_uint2(e2m1_pack8(q), e2m1_pack8(q + 8));
+        if (kRawSigns) packed = make_uint2(e2m1_pack8<false>(q) + signs[b].x, e2m1_pack8<false>(q + 8) + signs[b].y);
+        else packed = make_uint2(e2m1_pack8(q), e2m1_pack8(q + 8));
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
