@@ -52,6 +52,57 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return __fmaf_rn(r, inv, q);
 }
 
+// The largest |element| of ``n`` Pack8s as a float, NaN if any element is NaN (torch.amax's).  16-bit
+// inputs take it from the raw words, two elements an instruction (max.NaN.xorsign.abs: the larger
+// magnitude of each half; the sign bits it leaves are dropped at the end), where the floats take one an
+// element; the maximum is exact in either format.
+template <typename T>
+__device__ __forceinline__ uint32_t abs_max_x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value)
+    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  else
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// w[0] = the larger magnitudes of w[0 .. 2h) (h a power of two), as a tree: independent instructions
+template <typename T, int h>
+__device__ __forceinline__ void abs_max_tree(uint32_t* w) {
+#pragma unroll
+  for (int i = 0; i < h; ++i) w[i] = abs_max_x2<T>(w[i], w[i + h]);
+  if constexpr (h > 1) abs_max_tree<T, h / 2>(w);
+}
+
+template <typename T, int n>
+__device__ __forceinline__ float abs_max(const Pack8<T>* v) {
+  if constexpr (sizeof(T) == 4) {
+    float m = 0.f;
+#pragma unroll
+    for (int u = 0; u < n; ++u) {
+      float f[8];
+      v[u].unpack(f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = nan_max(m, fabsf(f[i]));
+    }
+    return m;
+  } else {
+    uint32_t w[4 * n];
+#pragma unroll
+    for (int i = 0; i < 4 * n; ++i) w[i] = reinterpret_cast<const uint32_t*>(v)[i];
+    abs_max_tree<T, 2 * n>(w);
+    float lo, hi;
+    if constexpr (std::is_same<T, __half>::value) {
+      lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w[0] & 0xFFFFu)));
+      hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w[0] >> 16)));
+    } else {
+      lo = __uint_as_float(w[0] << 16);
+      hi = __uint_as_float(w[0] & 0xFFFF0000u);
+    }
+    return nan_max(fabsf(lo), fabsf(hi));
+  }
+}
+
 // Channels a warp's quantiser takes per step (fp8: 8 blocks of 128; NVFP4: 64 blocks of 16), and the
 // bytes it stages per step: fp8 codes, or NVFP4 codes (half of it) then their e4m3 scales.
 constexpr int kQuantStep = 1024;
@@ -106,6 +157,7 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
   }
   for (int base0 = 0; base0 < hidden; base0 += kQuantStep) {
     const bool active = base0 + mine < hidden;  // hidden % 128 == 0: whole blocks
+    float amax = active ? abs_max<Tin, kParts>(next) : 0.f;
     float f[kParts][8];
 #pragma unroll
     for (int u = 0; u < kParts; ++u) next[u].unpack(f[u]);
@@ -113,14 +165,6 @@ __device__ __forceinline__ void warp_quant_fp8_multi(const Tin* x, int hidden, u
 #pragma unroll
       for (int u = 0; u < kParts; ++u) next[u].load(x + base0 + kQuantStep + mine + 32 * u);
     }
-    float m[kParts];
-#pragma unroll
-    for (int u = 0; u < kParts; ++u) {
-      m[u] = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m[u] = nan_max(m[u], fabsf(f[u][i]));
-    }
-    float amax = active ? nan_max(nan_max(m[0], m[1]), nan_max(m[2], m[3])) : 0.f;
     amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     float scale = __fmul_rn(nan_max(amax, kFp8AmaxFloor), kFp8InvMax);
@@ -275,9 +319,11 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
     // has its input's sign: the block's gs / scale is finite and not negative)
     constexpr bool kRawSigns = sizeof(Tin) == 2;
     uint2 signs[kBlocks];
+    float amaxes[kBlocks];
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
       if (kRawSigns) signs[b] = make_uint2(sign_nibbles(next[b][0].w[0]), sign_nibbles(next[b][1].w[0]));
+      amaxes[b] = abs_max<Tin, 2>(next[b]);
       next[b][0].unpack(f[b]);
       next[b][1].unpack(f[b] + 8);
       const int c1 = base0 + kQuantStep + (b * kWarpSize + lane) * kNvfp4Block;
@@ -290,13 +336,7 @@ __device__ __forceinline__ void warp_quant_nvfp4_multi(const Tin* x, int channel
     for (int b = 0; b < kBlocks; ++b) {
       const int o = (b * kWarpSize + lane) * kNvfp4Block;  // the block's first channel in the step
       if (o >= n) continue;
-      float m0 = 0.f, m1 = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        m0 = nan_max(m0, fabsf(f[b][i]));
-        m1 = nan_max(m1, fabsf(f[b][8 + i]));
-      }
-      const float amax = nan_max(m0, m1);
+      const float amax = amaxes[b];
       float s = __fmul_rn(__fmul_rn(amax, kE2m1InvMax), gs);
       s = s > kFp8Max ? kFp8Max : s;  // clamp(max=448) keeping NaN
       const uint32_t sf_code = fp8_e4m3(s);  // RNE; NaN -> 0x7F
