@@ -20,19 +20,26 @@
 //   nvfp4_remote_staged NVFP4 codes and e4m3 scales to a row on GPU 1 through the shared-memory stage (what
 //                       the NVFP4 dispatch sends; global scale 448 * 6 / 128)
 //   nvfp4_l2            NVFP4 codes and scales to one small local row per warp (loads and arithmetic alone)
+//   expand4             4096 local fp8 rows (codes and scales) each copied into 4 slots on GPU 0 (the
+//                       batched dispatch's expansion of received rows), every warp
+//   quant_own_expand4   the first --send-warps warps of each block do quant_remote_own while the others
+//                       do expand4 at the same time: whether a compute-bound quantising send and a
+//                       memory-bound expansion share 24 SMs better than running one after the other
+//                       (quant_remote_own + expand4)
 //
 // The copy_remote* rows tell whether NVLink stores cost by the byte or by the store instruction.
 //
 // Rows are x: 4096 x 7168 bf16 on GPU 0; destinations 7168 bytes of codes then 56 float scales (fp8),
 // 3584 bytes of codes then 448 e4m3 scales (NVFP4) or 14336 bytes (bf16) per row.  Prints `variant
 // blocks p50_us min_us GBps` (GBps: bytes stored per destination row set / p50, or bytes read for
-// load_only), then `done`.  quant_remote's and quant_remote_staged's codes and scales are compared
-// with quant_local's, byte for byte; exit code 1 on a difference.
+// load_only; quant_own_expand4 is named with its send warps, e.g. quant_own_expand4:10), then `done`.
+// quant_remote's and quant_remote_staged's codes and scales are compared with quant_local's, byte for
+// byte; exit code 1 on a difference.
 //
 // Build and run (2 GPUs, no torch; csrc/common/protocol_table.h comes from the library's build,
 // `python3 -m pip install --no-build-isolation --no-deps -e .`):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc bench/microbench/quant_send.cu -o qs && ./qs
-//   options: --blocks 24,32 --variants quant_remote,quant_local
+//   options: --blocks 24,32 --variants quant_remote,quant_local --send-warps 8,10,12 (quant_own_expand4)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -56,11 +63,11 @@ constexpr int64_t kCopyRow = kHidden * 2;
 
 enum Variant { kCopyRemote, kCopyRemote8, kCopyRemote4, kCopyRemoteOwn, kQuantRemote, kQuantRemoteOwn,
                kQuantRemoteStaged, kQuantScalesLocal, kQuantLocal, kQuantL2, kLoadOnly, kNvfp4RemoteStaged,
-               kNvfp4L2, kVariants };
+               kNvfp4L2, kExpand4, kQuantOwnExpand4, kVariants };
 const char* const kNames[kVariants] = {"copy_remote", "copy_remote_8b", "copy_remote_4b", "copy_remote_own",
                                        "quant_remote", "quant_remote_own", "quant_remote_staged",
                                        "quant_scales_local", "quant_local", "quant_l2", "load_only",
-                                       "nvfp4_remote_staged", "nvfp4_l2"};
+                                       "nvfp4_remote_staged", "nvfp4_l2", "expand4", "quant_own_expand4"};
 constexpr float kNvfp4GlobalScale = 448.0f * 6.0f / 128.0f;  // the inputs' amax is below 128
 
 // a warp's copy of ``bytes`` with T-sized loads and stores per lane, 64 bytes per lane loaded before
@@ -88,16 +95,42 @@ struct Buffers {
   uint8_t* local;          // [tokens][row] on GPU 0
   uint8_t* scratch;        // [warps][row] on GPU 0
   float* sink;             // [warps] on GPU 0
+  const uint8_t* rows;     // [tokens][quant row] on GPU 0: expand4's source
+  uint8_t* slots;          // [4][tokens][quant row] on GPU 0: expand4's destinations
+  int send_warps;          // quant_own_expand4: warps of a block that send; the others expand
 };
+
+// expand4's work for one warp: rows first, first + step, ... each into its 4 slots
+__device__ void expand_rows(const Buffers& b, int first, int step, uint8_t** dst, int lane) {
+  for (int t = first; t < kTokens; t += step) {
+    if (lane < 4) dst[lane] = b.slots + (static_cast<int64_t>(lane) * kTokens + t) * kQuantRow;
+    __syncwarp();
+    ep_comm::warp_copy_multi<true>(b.rows + static_cast<int64_t>(t) * kQuantRow, dst, 4, kQuantRow, lane);
+    __syncwarp();
+  }
+}
 
 template <int kV>
 __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
   __shared__ __align__(16) uint8_t s_stage[kWarps][ep_comm::kQuantStageBytes];
-  __shared__ uint8_t* s_dst[kWarps][2];
+  __shared__ uint8_t* s_dst[kWarps][4];
   __shared__ float* s_scl[kWarps][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
   uint8_t** dst = s_dst[warp];
+  if (kV == kExpand4) {
+    expand_rows(b, gwarp, nwarps, dst, lane);
+    return;
+  }
+  if (kV == kQuantOwnExpand4) {  // split by role: the senders' loop below runs over the send warps only
+    if (warp >= b.send_warps) {
+      const int ne = kWarps - b.send_warps;
+      expand_rows(b, blockIdx.x * ne + warp - b.send_warps, gridDim.x * ne, dst, lane);
+      return;
+    }
+    gwarp = blockIdx.x * b.send_warps + warp;
+    nwarps = gridDim.x * b.send_warps;
+  }
   float** scl = s_scl[warp];
   float fold = 0.f;
   for (int t = gwarp; t < kTokens; t += nwarps) {
@@ -131,6 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) send_kernel(Buffers b) {
         case kQuantRemote:
         case kQuantRemoteStaged: dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden); break;
         case kQuantRemoteOwn:
+        case kQuantOwnExpand4:
           dst[0] = remote; scl[0] = reinterpret_cast<float*>(remote + kHidden);
           dst[1] = local; scl[1] = reinterpret_cast<float*>(local + kHidden);
           nd = 2;
@@ -172,6 +206,8 @@ void run(int v, int blocks, const Buffers& b) {
     case kQuantL2: launch<kQuantL2>(blocks, b); break;
     case kNvfp4RemoteStaged: launch<kNvfp4RemoteStaged>(blocks, b); break;
     case kNvfp4L2: launch<kNvfp4L2>(blocks, b); break;
+    case kExpand4: launch<kExpand4>(blocks, b); break;
+    case kQuantOwnExpand4: launch<kQuantOwnExpand4>(blocks, b); break;
     default: launch<kLoadOnly>(blocks, b); break;
   }
   CK(cudaGetLastError());
@@ -180,6 +216,7 @@ void run(int v, int blocks, const Buffers& b) {
 int main(int argc, char** argv) {
   std::vector<int> blocks = {24};
   std::vector<int> variants;
+  std::vector<int> send_warps = {10};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--blocks")) {
       blocks.clear();
@@ -188,6 +225,9 @@ int main(int argc, char** argv) {
       for (const auto& s : comma_list(argv[i + 1]))
         for (int v = 0; v < kVariants; ++v)
           if (s == kNames[v]) variants.push_back(v);
+    } else if (!std::strcmp(argv[i], "--send-warps")) {
+      send_warps.clear();
+      for (const auto& s : comma_list(argv[i + 1])) send_warps.push_back(std::stoi(s));
     }
   }
   if (variants.empty())
@@ -220,6 +260,10 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&local, kTokens * row_max));
   CK(cudaMalloc(&scratch, max_warps * kQuantRow));
   CK(cudaMalloc(&sink, max_warps * sizeof(float)));
+  uint8_t *rows = nullptr, *slots = nullptr;
+  CK(cudaMalloc(&rows, kTokens * kQuantRow));
+  CK(cudaMemset(rows, 0x5a, kTokens * kQuantRow));
+  CK(cudaMalloc(&slots, 4 * kTokens * kQuantRow));
   {  // inputs: normal-ish values with a spread of magnitudes per 128-channel block, fixed seed
     std::vector<__nv_bfloat16> h(static_cast<size_t>(kTokens) * kHidden);
     uint32_t s = 12345u;
@@ -235,6 +279,8 @@ int main(int argc, char** argv) {
   b.local = local;
   b.scratch = scratch;
   b.sink = sink;
+  b.rows = rows;
+  b.slots = slots;
 
   bool ok = true;
   for (int v : {kQuantRemote, kQuantRemoteStaged}) {  // the same bytes as quant_local
@@ -254,12 +300,16 @@ int main(int argc, char** argv) {
   std::printf("variant blocks p50_us min_us GBps\n");
   for (int nb : blocks) {
     for (int v : variants) {
-      const auto [p50, mn] = p50_min_us([&] { run(v, nb, b); });
       const bool copy = v == kLoadOnly || v == kCopyRemote || v == kCopyRemote8 || v == kCopyRemote4 ||
                         v == kCopyRemoteOwn;
       const bool nvfp4 = v == kNvfp4RemoteStaged || v == kNvfp4L2;
       const double per_row = copy ? kCopyRow : nvfp4 ? kHidden / 2 + kHidden / 16 : kQuantRow;
-      std::printf("%s %d %.1f %.1f %.0f\n", kNames[v], nb, p50, mn, per_row * kTokens / (p50 * 1e3));
+      for (int sw : v == kQuantOwnExpand4 ? send_warps : std::vector<int>{0}) {
+        b.send_warps = sw;
+        const auto [p50, mn] = p50_min_us([&] { run(v, nb, b); });
+        const std::string name = sw ? std::string(kNames[v]) + ":" + std::to_string(sw) : kNames[v];
+        std::printf("%s %d %.1f %.1f %.0f\n", name.c_str(), nb, p50, mn, per_row * kTokens / (p50 * 1e3));
+      }
     }
   }
   std::printf("done\n");
