@@ -52,10 +52,8 @@ __device__ __forceinline__ float div_by_scale(float x, float s, float inv) {
   return __fmaf_rn(r, inv, q);
 }
 
-// The largest |element| of ``n`` Pack8s as a float, NaN if any element is NaN (torch.amax's).  16-bit
-// inputs take it from the raw words, two elements an instruction (max.NaN.xorsign.abs: the larger
-// magnitude of each half; the sign bits it leaves are dropped at the end), where the floats take one an
-// element; the maximum is exact in either format.
+// max(|a|, |b|) of each 16-bit half (bf16, or fp16 for T = __half), NaN where either is NaN; the sign
+// bits of the result are noise (max.NaN.xorsign.abs gives them the XOR of the inputs' signs).
 template <typename T>
 __device__ __forceinline__ uint32_t abs_max_x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -74,6 +72,9 @@ __device__ __forceinline__ void abs_max_tree(uint32_t* w) {
   if constexpr (h > 1) abs_max_tree<T, h / 2>(w);
 }
 
+// The largest |element| of ``n`` Pack8s as a float, NaN if any element is NaN (torch.amax's).  16-bit
+// inputs take it from the raw words, two elements an instruction, where the floats take one an
+// element after unpacking; the maximum is exact in either format, so the scales are the same bits.
 template <typename T, int n>
 __device__ __forceinline__ float abs_max(const Pack8<T>* v) {
   if constexpr (sizeof(T) == 4) {
