@@ -1,9 +1,12 @@
 // What the microbenchmarks share: the runtime-call check (print the call and CUDA's reason, then exit:
-// standalone programs, nothing to recover), comma-separated option lists, and launch timing.
+// standalone programs, nothing to recover), comma-separated option lists, launch timing, and the
+// quantising benchmarks' input rows.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -27,6 +30,19 @@ inline std::vector<std::string> comma_list(const std::string& s) {
     if (j > i) v.push_back(s.substr(i, j - i));
   }
   return v;
+}
+
+// ``n`` bf16 values into device memory ``x``: uniform in [-0.5, 0.5) from a fixed linear congruential
+// sequence (``seed``), scaled by 1, 2, ... 128 in turn per 128-channel block, so that the quantisers'
+// blocks hold a spread of magnitudes
+inline void fill_bf16_inputs(__nv_bfloat16* x, size_t n, uint32_t seed) {
+  std::vector<__nv_bfloat16> h(n);
+  for (size_t i = 0; i < n; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    const float u = static_cast<float>(seed >> 8) / 16777216.f - 0.5f;
+    h[i] = __float2bfloat16(u * static_cast<float>(1 << ((i / 128) % 8)));
+  }
+  CK(cudaMemcpy(x, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
 }
 
 // p50 and minimum in µs of ``reps`` calls of ``launch`` (after 3 untimed), each timed alone between two

@@ -233,16 +233,7 @@ int main(int argc, char** argv) {
     Side& s = side[g];
     __nv_bfloat16* x = nullptr;
     CK(cudaMalloc(&x, static_cast<size_t>(kTokens) * kHidden * 2));
-    {  // normal-ish values with a spread of magnitudes per 128-channel block, a seed per GPU
-      std::vector<__nv_bfloat16> h(static_cast<size_t>(kTokens) * kHidden);
-      uint32_t r = 12345u + 977u * g;
-      for (size_t i = 0; i < h.size(); ++i) {
-        r = r * 1664525u + 1013904223u;
-        const float u = static_cast<float>(r >> 8) / 16777216.f - 0.5f;
-        h[i] = __float2bfloat16(u * static_cast<float>(1 << ((i / 128) % 8)));
-      }
-      CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-    }
+    fill_bf16_inputs(x, static_cast<size_t>(kTokens) * kHidden, 12345u + 977u * g);  // a seed per GPU
     s.x = x;
     CK(cudaMalloc(&s.rows, kTokens * kRow));
     CK(cudaMemset(s.rows, 0, kTokens * kRow));

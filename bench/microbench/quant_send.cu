@@ -264,16 +264,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&rows, kTokens * kQuantRow));
   CK(cudaMemset(rows, 0x5a, kTokens * kQuantRow));
   CK(cudaMalloc(&slots, 4 * kTokens * kQuantRow));
-  {  // inputs: normal-ish values with a spread of magnitudes per 128-channel block, fixed seed
-    std::vector<__nv_bfloat16> h(static_cast<size_t>(kTokens) * kHidden);
-    uint32_t s = 12345u;
-    for (size_t i = 0; i < h.size(); ++i) {
-      s = s * 1664525u + 1013904223u;
-      const float u = static_cast<float>(s >> 8) / 16777216.f - 0.5f;
-      h[i] = __float2bfloat16(u * static_cast<float>(1 << ((i / 128) % 8)));
-    }
-    CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  }
+  fill_bf16_inputs(x, static_cast<size_t>(kTokens) * kHidden, 12345u);
   b.x = x;
   b.remote = remote;
   b.local = local;
