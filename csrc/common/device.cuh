@@ -123,16 +123,22 @@ __device__ __forceinline__ uint64_t wait_flag(const uint64_t* flag, uint32_t exp
 // needed between launches).  Thread 0 releases the block's stores (remote ones included) first, so
 // the last block to arrive may signal peers on everyone's behalf.  With ``wait`` every block also
 // waits for the others; that only gives up (and records it) if the grid was not all resident.
+// ``threads`` > 0: only the block's first ``threads`` threads (whole warps, thread 0 among them) arrive,
+// meeting at named barrier 1, while the block's other warps go on with other work.
 struct Arrival {
   bool last;
   bool ok;
 };
 
 __device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool wait, uint64_t deadline_ns,
-                                               const ErrorSink& err) {
+                                               const ErrorSink& err, int threads = 0) {
   __shared__ unsigned long long s_target;
   __shared__ int s_last, s_ok;
-  __syncthreads();
+  const auto block_sync = [threads] {
+    if (threads > 0) asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+    else __syncthreads();
+  };
+  block_sync();
   if (threadIdx.x == 0) {
     __threadfence_system();
     const unsigned long long old = atomicAdd(counter, 1ull);
@@ -158,7 +164,7 @@ __device__ __forceinline__ Arrival grid_arrive(unsigned long long* counter, bool
       }
     }
   }
-  __syncthreads();
+  block_sync();
   return Arrival{s_last != 0, s_ok != 0};
 }
 

@@ -39,7 +39,9 @@ EP_HD int status_words(int world) { return kStatusRankReason + 2 * world; }
 EP_HD int max_groups(int max_tokens) { return (max_tokens + kGroupTokens - 1) / kGroupTokens; }
 
 // Head of a dispatch row; int32 local ids [k], float weights [k] and int32 slot indices [k] (the row's
-// index among the rows this source sends to that local expert) follow, then payload and scales.
+// index among the rows this source sends to that local expert) follow, then payload and scales.  The
+// top bit of payload_bytes marks a row whose header was written after its bytes (kRowLanded,
+// one_sided/dispatch_receive.cuh).
 struct RowHeader {
   uint32_t code;
   int32_t payload_bytes;

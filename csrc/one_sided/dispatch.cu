@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "common/quantise.cuh"
+#include "one_sided/dispatch_receive.cuh"
 #include "one_sided/kernel_common.cuh"
 
 namespace ep_comm {
@@ -65,46 +66,6 @@ __device__ __forceinline__ Route route_token(const DispatchParams& p, int t, int
   return r;
 }
 
-// Lanes j < k hold local expert id ``lid`` (-1: none), weight ``lw`` and, batched, the slot inside
-// that expert of output row ``row``.  Leaves in ``dst`` / ``dst_s`` where the row's payload and scales
-// go (the standard row, or one batched slot per expert) and returns how many; with ``write_ids`` also
-// writes the row's ids, weights and slots.  A row whose ids are all -1 is padding: nothing to copy.
-// Zero copy: the standard row ``src * max_tokens + t`` is row (src, t) of this rank's dispatch half 0,
-// where source src's rows arrive, so only this rank's own rows are copied (while sending).
-__device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, int lid, float lw, int slot,
-                                         bool write_ids, uint8_t** dst, uint8_t** dst_s, int lane) {
-  const int k = p.c.lay.top_k;
-  const int64_t flat = lid >= 0 ? static_cast<int64_t>(lid) * p.capacity + slot : -1;
-  if (write_ids && lane < k) {
-    p.row_ids[row * k + lane] = lid;
-    p.row_w[row * k + lane] = lid >= 0 ? lw : 0.f;
-    if (p.c.lay.batched) p.row_slot[row * k + lane] = static_cast<int32_t>(flat);
-  }
-  const unsigned mask = __ballot_sync(kFull, lid >= 0);
-  if (!p.c.lay.batched) {
-    if (lane == 0) {
-      const Layout& L = p.c.lay;
-      if (L.zero_copy) {
-        uint8_t* r = peer_ptr(p.c, L.rank) + L.dispatch_offset[0] + row * L.row_stride;
-        dst[0] = r + L.payload_offset;
-        dst_s[0] = p.scale_bytes ? r + L.scale_offset : nullptr;
-      } else {
-        dst[0] = static_cast<uint8_t*>(p.out_x) + row * p.payload_bytes;
-        dst_s[0] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + row * p.scale_bytes : nullptr;
-      }
-    }
-    __syncwarp();
-    return mask ? 1 : 0;
-  }
-  if (lid >= 0) {
-    const int j = __popc(mask & lanes_below(lane));
-    dst[j] = static_cast<uint8_t*>(p.out_x) + flat * p.payload_bytes;
-    dst_s[j] = p.scale_bytes ? static_cast<uint8_t*>(p.out_scales) + flat * p.scale_bytes : nullptr;
-  }
-  __syncwarp();
-  return __popc(mask);
-}
-
 // The dispatch kernel's kQuant: -1 copies x (and carried x_scales) as they are; otherwise x is
 // quantised on the way out, from the input dtype kQuantIn<kQuant>, to fp8 (kQuant < kDispatchNvfp4) or
 // NVFP4 (one_sided.cuh).
@@ -151,65 +112,6 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, int t, int
     }
   }
   __syncwarp();
-}
-
-// Zero copy, standard layout: the local ids and weights of received row ``row_index`` (its header and
-// meta at ``row``; ``live``: below the source's token count), by one lane.  A row of another call or
-// of another width is dropped (-1), the latter recorded as a format error.  With k a multiple of 4 the
-// meta moves in 16-byte pieces: a warp's lanes hold rows the grid's warp count apart, so each load or
-// store instruction is 32 transactions, and 4-byte ones issued 4x as many.
-__device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const uint8_t* row, int64_t row_index,
-                                                 bool live, uint32_t code, int src, const ErrorSink& err) {
-  const int k = p.c.lay.top_k, nl = p.c.lay.num_local;
-  bool valid = false;
-  if (live) {
-    const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
-    valid = static_cast<uint32_t>(h.x) == code;
-    if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
-      err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
-      err.count(kStatusRowFormat, 1);
-      valid = false;
-    }
-  }
-  const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
-  const float* weights = reinterpret_cast<const float*>(meta + k);
-  int32_t* out_ids = p.row_ids + row_index * k;
-  float* out_w = p.row_w + row_index * k;
-  // never trust an id from another process: out of range means dropped
-  auto keep = [nl](int lid) { return lid >= 0 && lid < nl; };
-  const bool vec = (k & 3) == 0 &&
-                   ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out_ids) |
-                     reinterpret_cast<uintptr_t>(out_w)) & 15) == 0;
-  if (vec) {
-    for (int j = 0; j < k; j += 4) {
-      int4 id = make_int4(-1, -1, -1, -1);
-      float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (valid) {
-        id = ld_cg(reinterpret_cast<const int4*>(meta + j));
-        w = __ldcg(reinterpret_cast<const float4*>(weights + j));
-      }
-      const bool kx = keep(id.x), ky = keep(id.y), kz = keep(id.z), kw = keep(id.w);
-      *reinterpret_cast<int4*>(out_ids + j) = make_int4(kx ? id.x : -1, ky ? id.y : -1, kz ? id.z : -1, kw ? id.w : -1);
-      *reinterpret_cast<float4*>(out_w + j) = make_float4(kx ? w.x : 0.f, ky ? w.y : 0.f, kz ? w.z : 0.f, kw ? w.w : 0.f);
-    }
-    return;
-  }
-  for (int j0 = 0; j0 < k; j0 += 8) {
-    int lid[8];
-    float w[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {  // every load of the group before any store (which may alias them)
-      const bool here = valid && j0 + u < k;
-      lid[u] = here ? __ldcg(meta + j0 + u) : -1;
-      w[u] = here ? __ldcg(weights + j0 + u) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (j0 + u >= k) break;
-      out_ids[j0 + u] = keep(lid[u]) ? lid[u] : -1;
-      out_w[j0 + u] = keep(lid[u]) ? w[u] : 0.f;
-    }
-  }
 }
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
@@ -290,19 +192,43 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   __shared__ int s_dst_rank[kWarps][kMaxTopK];
   // dynamic shared memory: while sending, the quantising kernels' per-warp stages (their rows leave
   // through them 16 bytes per lane: quantise.cuh, store_staged); while receiving, [world] token counts and
-  // [world][num_local] counts and slot bases.  grid_arrive's barrier lies between the two uses.
+  // [world][num_local] counts and slot bases.  grid_arrive's barrier lies between the two uses.  Receiving
+  // while sending, both at once: the stages, then [world] token counts.
   extern __shared__ __align__(16) int s_prefix[];
   uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
+  // receive while sending (dispatch_receive.cuh; the host chooses it): the block's last p.recv_warps
+  // warps lay the peers' rows out from the start, the others send and then join them.  Their per-block
+  // state: each source's token count (dynamic shared memory after the stages) and the row tickets.
+  const bool overlap = p.recv_warps > 0;
+  const int send_warps = kWarps - p.recv_warps;
+  __shared__ int s_next_row;
+  int* const s_src_tokens = s_prefix + (kQuant >= 0 ? kWarps * kQuantStageBytes / static_cast<int>(sizeof(int)) : 0);
+  if (overlap) {
+    for (int i = threadIdx.x; i < L.world; i += blockDim.x)
+      s_src_tokens[i] = i != L.rank && peer_active(L, i) ? kUnknownTokens : -1;
+    if (threadIdx.x == 0) s_next_row = 0;
+    __syncthreads();
+    if (warp >= send_warps) {
+      const int rwarp = blockIdx.x * p.recv_warps + warp - send_warps, nrwarps = gridDim.x * p.recv_warps;
+      for (int t = p.num_tokens + rwarp; t < L.max_tokens; t += nrwarps)  // this rank's padding rows
+        place_row(p, static_cast<int64_t>(L.rank) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
+    }
+  }
 
-  if (p.phases & kPhaseSend) {
+  if ((p.phases & kPhaseSend) && warp < send_warps) {
     // ---- send: one copy of each token per remote destination rank, at [this rank][t] of its region, in
     // p.chunks pieces sent by different warps; this rank's own share goes straight into the output
     const int64_t items = static_cast<int64_t>(p.num_tokens) * p.chunks;
-    const WorkQueue work{p.c.counters + kStateDispatchWork, code, nwarps, items};
+    const WorkQueue work{p.c.counters + kStateDispatchWork, code, gridDim.x * send_warps, items};
+    __shared__ uint64_t* s_mark_head[kWarps][kWarpSize];
+    __shared__ int s_mark_count[kWarps];
+    if (lane == 0) s_mark_count[warp] = 0;
+    __syncwarp();
+    RowMarks marks{s_mark_head[warp], s_mark_count + warp};  // receive while sending: rows whose code is still to be written
     open_work(work);
-    for (int64_t item = gwarp; item < items; item = next_work(work, lane, deadline, err)) {
+    for (int64_t item = blockIdx.x * send_warps + warp; item < items; item = next_work(work, lane, deadline, err)) {
       const int t = static_cast<int>(item / p.chunks);
       const int chunk = static_cast<int>(item % p.chunks);
       const Route r = route_token<kIds64>(p, t, lane, chunk == 0, err);
@@ -339,6 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         s_dst_rank[warp][i] = r.owner_rank;
       }
       __syncwarp();
+      if (p.recv_warps > 0) marks.add(dst, n_remote, L.payload_offset, lane);
       if (chunk == 0) {
         for (int i = 0; i < n_remote; ++i) {
           uint8_t* row = dst[i] - L.payload_offset;
@@ -350,7 +277,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
             reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
             meta[2 * k + lane] = mine ? slot : -1;
           }
-          if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
+          if (lane == 0 && p.recv_warps > 0) {  // RowHeader's {scale_bytes, token}; RowMarks writes the rest
+            *reinterpret_cast<int2*>(row + 8) = make_int2(static_cast<int32_t>(p.scale_bytes), t);
+          } else if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
             *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
                                                       static_cast<int32_t>(p.scale_bytes), t);
           }
@@ -391,42 +320,66 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
         send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
       }
+      if (p.recv_warps > 0 && marks.due(min(k, L.world - 1))) marks.mark(code, p.payload_bytes, lane);
     }
 
-    // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
-    if (put_mode(L)) put_quiet();
-    stamp(L, kTraceDispatch, kTrSent, true);
-    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
-    stamp(L, kTraceDispatch, kTrArrived);
-    if (a.last) {
-      close_work(work);
-      for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
-        const int peer = i / nl;
-        if (!peer_active(L, peer)) continue;
-        // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
-        int32_t* slot = put_mode(L) && peer != L.rank
-                            ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
-                            : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) +
-                                  L.rank * nl + i % nl;
-        *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
-        p.send_count[i] = 0;  // ready for the next call
+    if (overlap) {
+      // the block's send warps arrive without waiting for the other blocks; the last block signals
+      marks.mark(code, p.payload_bytes, lane);
+      const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err, send_warps * kWarpSize);
+      stamp(L, kTraceDispatch, kTrSent);
+      stamp(L, kTraceDispatch, kTrArrived);
+      if (a.last) {
+        close_work(work);
+        signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code,
+                   send_warps * kWarpSize);
+        stamp(L, kTraceDispatch, kTrSignalled);
+        // every block read seq before arriving
+        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
       }
-      __syncthreads();
-      if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
-        const int64_t bytes = static_cast<int64_t>(nl) * 4;
-        for (int peer = warp; peer < L.world; peer += kWarps)
-          if (peer != L.rank && peer_active(L, peer))
-            put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
-        put_quiet();
+    } else {
+      // ---- publish per-expert counts, then signal: the last block to arrive does it for everyone
+      if (put_mode(L)) put_quiet();
+      stamp(L, kTraceDispatch, kTrSent, true);
+      const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/true, deadline, err);
+      stamp(L, kTraceDispatch, kTrArrived);
+      if (a.last) {
+        close_work(work);
+        for (int i = threadIdx.x; L.batched && i < L.world * nl; i += blockDim.x) {
+          const int peer = i / nl;
+          if (!peer_active(L, peer)) continue;
+          // [rank][e] of the peer's counts, or (put mode) [peer][e] of the staged counts
+          int32_t* slot = put_mode(L) && peer != L.rank
+                              ? reinterpret_cast<int32_t*>(own_at(p.c, L.stage_counts_offset)) + i
+                              : reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) +
+                                    L.rank * nl + i % nl;
+          *slot = __ldcg(p.send_count + i);  // other blocks' atomics, at L2
+          p.send_count[i] = 0;  // ready for the next call
+        }
         __syncthreads();
+        if (put_mode(L) && L.batched) {  // staged counts [peer][L] to [rank][L] of each peer's counts
+          const int64_t bytes = static_cast<int64_t>(nl) * 4;
+          for (int peer = warp; peer < L.world; peer += kWarps)
+            if (peer != L.rank && peer_active(L, peer))
+              put_warp(p.c, L.counts_offset[parity] + L.rank * bytes, bytes, L.stage_counts_offset + peer * bytes, peer);
+          put_quiet();
+          __syncthreads();
+        }
+        signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
+        stamp(L, kTraceDispatch, kTrSignalled);
       }
-      signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code);
-      stamp(L, kTraceDispatch, kTrSignalled);
+      if (!a.ok) return;
+      if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
+        *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
+      if (!(p.phases & kPhaseReceive)) return;
     }
-    if (!a.ok) return;
-    if (blockIdx.x == 0 && threadIdx.x == 0)  // every block read seq before arriving
-      *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
-    if (!(p.phases & kPhaseReceive)) return;
+  }
+  if (overlap) {  // the receive warps from the start, the send warps once they arrived
+    receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, lane);
+    __syncthreads();
+    stamp(L, kTraceDispatch, kTrSource0 + 1);  // every source's rows laid out
+    stamp(L, kTraceDispatch, kTrEnd);
+    return;
   }
 
   // ---- receive: every source's flag first (peers signal once their sends are done, so the flags land
@@ -495,36 +448,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       bool valid = false;
       if (t < s_tokens[src]) {
         const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader
-        valid = static_cast<uint32_t>(h.x) == code;
-        if (valid && (h.y != p.payload_bytes || h.z != p.scale_bytes)) {
-          if (lane == 0 && chunk == 0) {
-            err.peer(src, kReasonFormat, static_cast<uint32_t>(h.y), static_cast<uint32_t>(p.payload_bytes));
-            err.count(kStatusRowFormat, 1);
-          }
-          valid = false;
-        }
+        valid = header_matches(p, static_cast<uint32_t>(h.x), h.y, h.z, code, src, lane == 0 && chunk == 0, err);
       }
       if (!valid && chunk > 0) continue;
-      int lid = -1, slot = -1;
-      float lw = 0.f;
-      if (valid && lane < k) {
-        const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
-        lid = __ldcg(meta + lane);
-        lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
-        const int idx = __ldcg(meta + 2 * k + lane);
-        // never trust an index from another process: out of range means dropped
-        if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= s_count[src * nl + lid]))) lid = -1;
-        else if (L.batched) slot = s_base[src * nl + lid] + idx;
-      }
-      const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
-      if (n == 0) continue;
-      const int64_t lo = chunk * p.chunk_bytes;
-      const int64_t hi = min(p.payload_bytes, lo + p.chunk_bytes);
-      if (lane < n) dst[lane] += lo;
-      __syncwarp();
-      warp_copy_multi<true>(row + L.payload_offset + lo, dst, n, hi - lo, lane);
-      if (chunk == 0 && p.scale_bytes > 0) warp_copy_multi<true>(row + L.scale_offset, dst_s, n, p.scale_bytes, lane);
-      __syncwarp();
+      lay_out_piece(p, row, row_index, src, chunk, valid, s_count, s_base, dst, dst_s, lane);
     }
   }
   __syncthreads();
@@ -566,7 +493,9 @@ cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStre
   // launch that needs neither leaves the shared memory to L1
   const size_t recv = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
   const size_t stages = kQuant >= 0 && (p.phases & kPhaseSend) ? static_cast<size_t>(kWarps) * kQuantStageBytes : 0;
-  const size_t smem = std::max(recv, stages);
+  // receiving while sending: the stages, then [world] token counts
+  const size_t overlap = p.recv_warps > 0 ? stages + sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
+  const size_t smem = std::max({recv, stages, overlap});
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
     const cudaError_t e = allow_dispatch_smem<kQuant, kIds64>(smem);
     if (e != cudaSuccess) return e;

@@ -94,7 +94,12 @@ struct DispatchParams {
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
   bool checked;                 // kPhaseChecked: an input verdict precedes the launch (protocol.h)
+  int recv_warps;               // > 0: that many warps of each block receive while the others send
 };
+
+// Receive while sending (dispatch_receive.cuh), the warps of a block that lay rows out from the start:
+// 4 of 16 was the fastest split in bench/microbench/overlap_recv.cu at 24 SMs (10 and 14 slower).
+constexpr int kReceiveWarps = 4;
 
 struct CombineParams {
   Common c;

@@ -133,6 +133,13 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   }
   const RowShape r = row_shape(x, x_scales, cfg);
   set_dispatch_shape(p, r, T, cfg, work);
+  // receive while sending where the receive is a copy of whole rows that can run beside the sends:
+  // the standard layout, copied, peers' memory mapped, one launch, and enough tokens that every warp
+  // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends)
+  p.recv_warps = p.phases == kPhaseBoth && !L.batched && !L.zero_copy && !put_mode(L) && L.world > 1 && p.chunks == 1 &&
+                           L.world <= (kWarps - kReceiveWarps) * 32  // the send warps signal every peer
+                     ? kReceiveWarps
+                     : 0;
   const auto opts = x.options();
   at::Tensor out_x, out_s;
   if (L.batched) {
