@@ -136,7 +136,7 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   // receive while sending where the receive is a copy of whole rows that can run beside the sends:
   // the standard layout, copied, peers' memory mapped, one launch, and enough tokens that every warp
   // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends)
-  p.recv_warps = p.phases == kPhaseBoth && !L.batched && !L.zero_copy && !put_mode(L) && L.world > 1 && p.chunks == 1 &&
+  p.recv_warps = p.phases == kPhaseBoth && !L.batched && !L.zero_copy && L.put == 0 && L.world > 1 && p.chunks == 1 &&
                            L.world <= (kWarps - kReceiveWarps) * 32  // the send warps signal every peer
                      ? kReceiveWarps
                      : 0;
