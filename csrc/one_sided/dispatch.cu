@@ -224,8 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const WorkQueue work{p.c.counters + kStateDispatchWork, code, gridDim.x * send_warps, items};
     __shared__ uint64_t* s_mark_head[kWarps][kWarpSize];
     __shared__ int s_mark_count[kWarps];
-    if (lane == 0) s_mark_count[warp] = 0;
-    __syncwarp();
+    if (p.recv_warps > 0 && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
     RowMarks marks{s_mark_head[warp], s_mark_count + warp};  // receive while sending: rows whose code is still to be written
     open_work(work);
     for (int64_t item = blockIdx.x * send_warps + warp; item < items; item = next_work(work, lane, deadline, err)) {
