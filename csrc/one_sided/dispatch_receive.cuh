@@ -203,14 +203,19 @@ struct RowMarks {
 // A source's token count as receive_while_sending keeps it per block: not known before its flag is seen.
 constexpr int kUnknownTokens = -2;
 
+// This rank's slot of source ``src``'s call flag (parity ``parity``).
+__device__ __forceinline__ const uint64_t* source_flag(const DispatchParams& p, int parity, int src) {
+  const Layout& L = p.c.lay;
+  return reinterpret_cast<const uint64_t*>(peer_ptr(p.c, L.rank) + L.flags_offset) + parity * L.world + src;
+}
+
 // Lane 0: one look at source ``src``'s call flag.  Its token count once the flag carries the call's
 // code (kept in ``tokens[src]`` and stamped), -1 when it shows the source on another call (recorded)
 // or announces more tokens than fit, kUnknownTokens while neither.
 __device__ int look_at_source(const DispatchParams& p, int parity, int src, uint32_t code, int* tokens,
                               const ErrorSink& err) {
   const Layout& L = p.c.lay;
-  const uint64_t* flag = reinterpret_cast<const uint64_t*>(peer_ptr(p.c, L.rank) + L.flags_offset) + parity * L.world + src;
-  const uint64_t v = ld_acquire_sys(flag);
+  const uint64_t v = ld_acquire_sys(source_flag(p, parity, src));
   int n = kUnknownTokens;
   bool overflow = false;
   if (static_cast<uint32_t>(v) == code && !(v & kVerdictMark)) {
@@ -249,8 +254,8 @@ __device__ bool await_row(const DispatchParams& p, int parity, const uint8_t* ro
       break;
     }
     if ((++spins & 63u) == 0 && global_timer_ns() > deadline) {
-      if (atomicCAS(tokens + src, kUnknownTokens, -1) == kUnknownTokens) {
-        err.peer(src, kReasonTimeout, static_cast<uint32_t>(h), code);
+      if (atomicCAS(tokens + src, kUnknownTokens, -1) == kUnknownTokens) {  // (the flag's code: what it did last)
+        err.peer(src, kReasonTimeout, static_cast<uint32_t>(ld_acquire_sys(source_flag(p, parity, src))), code);
         err.count(kStatusTimeouts, 1);
       }
       return false;

@@ -17,13 +17,16 @@ from .. import cases, zero_copy_cases
 
 def skip_worker(timeout_s: float, backend: str = "mnnvl", skipped: str = "dispatch") -> dict:
     """The last rank skips a call: the next dispatch after a whole round, or (``skipped="combine"``:
-    zero copy, pulling combine) the combine of the first dispatch, whose rows its peers wait to read."""
+    zero copy, pulling combine) the combine of the first dispatch, whose rows its peers wait to read.
+    ``skipped="dispatch_receiving_while_sending"``: the dispatch at a size where its peers lay rows out
+    while they still send (1 SM, 64 tokens a rank), so they wait on row headers as well as on flags."""
     pulling = skipped == "combine"
     if pulling:
         zero_copy_cases.force_pull(True)
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
-    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s, zero_copy=pulling)
+    size = dict(max_tokens=64, num_sms=1) if skipped == "dispatch_receiving_while_sending" else {}
+    cfg = cases.make_cfg(world, backend, "standard", None, timeout_s=timeout_s, zero_copy=pulling, **size)
     comm = ep_comm.Communicator(cfg, device=device)
     inp = oracle.random_inputs(cfg, world, 5)[rank].to(comm.device)
     d = comm.dispatch(inp.x, inp.topk_ids, inp.topk_weights)

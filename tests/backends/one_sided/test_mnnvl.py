@@ -417,9 +417,10 @@ def test_ranks_disagreeing_on_pulling_combines_are_refused():
         assert msg.startswith("EPConfigError: $EP_COMM_COMBINE_PULL="), msg
 
 
-@pytest.mark.parametrize("skipped", ["dispatch", "combine"])
+@pytest.mark.parametrize("skipped", ["dispatch", "combine", "dispatch_receiving_while_sending"])
 def test_rank_that_skips_a_call_is_named_by_a_timeout(skipped):
-    """combine: a pulling combine (zero copy), whose peers wait for the skipping rank's rows."""
+    """combine: a pulling combine (zero copy), whose peers wait for the skipping rank's rows;
+    dispatch_receiving_while_sending: a dispatch whose peers wait for rows while they send."""
     timeout_s = 3.0
     results = _spawn(skip_worker, timeout_s, "mnnvl", skipped, timeout_s=120)
     world = _world()
