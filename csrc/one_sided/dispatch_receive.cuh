@@ -161,9 +161,9 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
 // sends (link- or, quantising, instruction-bound) instead of after them.  A row is then laid out as
 // soon as its header carries the call's code marked kRowLanded, so the sender writes the code last:
 // the header's second half {scale_bytes, token} goes with the row, its first half {code,
-// payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  Each send warp fences once per
-// kMarkRows tokens for all of their rows (a fence per row cost the sends 18 % on 24 SMs, one per 4
-// rows 2-4 %: bench/microbench/overlap_recv.cu).
+// payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  Each
+// send warp fences once per kMarkRows tokens for all of their rows (a fence per row cost the sends
+// 18 % on 24 SMs, one per 4 rows 2-4 %: bench/microbench/overlap_recv.cu).
 constexpr int kMarkRows = 4;
 
 // The rows a send warp has sent but not yet marked, in shared memory: nothing of them stays in registers
@@ -248,6 +248,7 @@ __device__ bool await_row(const DispatchParams& p, int parity, const uint8_t* ro
     if (static_cast<uint32_t>(h) == code && (static_cast<uint32_t>(h >> 32) & kRowLanded)) break;
     int n = *reinterpret_cast<volatile int*>(tokens + src);
     if (n == kUnknownTokens) n = look_at_source(p, parity, src, code, tokens, err);
+    else if (n >= 0) ld_acquire_sys(source_flag(p, parity, src));  // another warp saw it: acquire it here too
     if (n != kUnknownTokens) {
       if (t >= n) return false;
       h = ld_acquire_sys(head);  // released before the flag
