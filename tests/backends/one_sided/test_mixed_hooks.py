@@ -3,11 +3,15 @@
 Hooks are each rank's own choice: a hooked call's send and receive halves must follow the same
 protocol as the whole call on a rank without a hook.  The grouped combine (per-group flags) is forced
 on at 96 tokens, split (3 sending blocks) and interleaved; the even ranks hook both ops, the odd ones
-do not.  Ranks and GPUs as in test_mnnvl.py.
+do not.  And next to hooked ranks, ranks whose one-launch dispatch lays rows out while it still sends
+(2 SMs, up to 64 tokens: whole rows per warp from 17 tokens), so that rows written before their
+header's code and rows marked landed meet on both sides.  Ranks and GPUs as in test_mnnvl.py.
 """
 from __future__ import annotations
 
 import pytest
+
+import ep_comm
 
 from .. import cases
 from . import spawned
@@ -32,3 +36,31 @@ def test_ranks_may_hook_or_not_independently(case):
     results = _results.results("mixed_hooks", mixed_hooks_worker)
     assert not [k for k in results if k.endswith("switched_on")], sorted(results)
     _results.assert_clean(case, "mixed_hooks", mixed_hooks_worker)
+
+
+RWS_SMS, RWS_TOKENS = 2, 64
+RWS_PAYLOADS = ("bf16+scales", "uint8_opaque")
+
+
+def receiving_while_sending_worker() -> dict:
+    """Standard layout, copied rows: the even ranks hook both ops, the odd ones do not."""
+    topo, device = cases.init_rank()
+    world, rank = topo.world_size, topo.rank
+    out: dict = {}
+    seed = 1700
+    for payload in RWS_PAYLOADS:
+        cfg = cases.make_cfg(world, "mnnvl", "standard", cases.PAYLOADS[payload][0], max_tokens=RWS_TOKENS,
+                             num_sms=RWS_SMS)
+        with ep_comm.Communicator(cfg, device=device) as comm:
+            for _ in range(2):  # both parities
+                for name, spec in cases.scenarios(world, RWS_TOKENS).items():
+                    seed += 1
+                    key = f"standard/{payload}/{name}"
+                    out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
+                                                                 hooks=rank % 2 == 0)
+    return out
+
+
+@pytest.mark.parametrize("case", [f"standard/{p}/{s}" for p in RWS_PAYLOADS for s in cases.scenarios(2, RWS_TOKENS)])
+def test_hooked_ranks_next_to_ranks_receiving_while_sending(case):
+    _results.assert_clean(case, "receiving_while_sending", receiving_while_sending_worker)
