@@ -138,11 +138,12 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends).  Not
   // while quantising: the quantiser is bound by instructions, and with 4 of 16 warps receiving an fp8
   // dispatch of 4096 tokens at EP2 took 5 % longer (docs/performance.md)
+  const bool switched_on = cfg[kCfgReceiveWhileSending] != 0;  // $EP_COMM_RECEIVE_WHILE_SENDING
   const bool copied_whole_rows = p.chunks == 1 && cfg[kCfgQuant] == kQuantNone;
   const bool one_launch_mapped = p.phases == kPhaseBoth && L.put == 0 && !L.batched && !L.zero_copy;
   // (the send warps signal every peer)
   const bool send_warps_signal = L.world > 1 && L.world <= (kWarps - kReceiveWarps) * 32;
-  p.recv_warps = copied_whole_rows && one_launch_mapped && send_warps_signal ? kReceiveWarps : 0;
+  p.recv_warps = switched_on && copied_whole_rows && one_launch_mapped && send_warps_signal ? kReceiveWarps : 0;
   const auto opts = x.options();
   at::Tensor out_x, out_s;
   if (L.batched) {

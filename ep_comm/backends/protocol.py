@@ -109,7 +109,8 @@ class Cfg(enum.IntEnum):
     ZERO_COPY = 33  # 1 (standard layout): output rows are the receive buffer's rows of dispatch half 0
     COMBINE_PULL_INPUT = 34  # 0: combine pushes partials; else this rank's address of its expert rows
     ACTIVE_PTR = 35  # 0: every rank takes part; else device int32 [world], 1 for the ranks still in (shrink)
-    LEN = 36
+    RECEIVE_WHILE_SENDING = 36  # 1: a dispatch may lay peers' rows out while it sends (ops.h decides per call)
+    LEN = 37
 
 
 @enum.unique

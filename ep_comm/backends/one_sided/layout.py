@@ -29,6 +29,10 @@ COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 # (docs/performance.md).  "0" / "1" force it.
 COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
 PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
+# "0" keeps every warp of a dispatch on its sends; unset or "1": the standard layout's copied rows are
+# laid out while the dispatch still sends, at sizes where every warp sends whole rows (the extension
+# decides per call; docs/design.md).  Each rank's own choice: the ranks need not agree.
+RECEIVE_WHILE_SENDING_ENV = "EP_COMM_RECEIVE_WHILE_SENDING"
 
 DTYPE_CODES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 QUANT_CODES = {None: Quant.NONE, "fp8": Quant.FP8, "nvfp4": Quant.NVFP4}
@@ -143,11 +147,12 @@ def _check_pull_switch(forced: Optional[str]) -> None:
 
 
 def check_environment() -> None:
-    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL or
-    $EP_COMM_NUM_SMS, raised before any backend is made: under ``backend="auto"`` it must not pass for a
-    backend that cannot start."""
+    """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL,
+    $EP_COMM_NUM_SMS or $EP_COMM_RECEIVE_WHILE_SENDING, raised before any backend is made: under
+    ``backend="auto"`` it must not pass for a backend that cannot start."""
     checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
-              (COMBINE_PULL_ENV, _check_pull_switch), (NUM_SMS_ENV, _check_num_sms))
+              (COMBINE_PULL_ENV, _check_pull_switch), (NUM_SMS_ENV, _check_num_sms),
+              (RECEIVE_WHILE_SENDING_ENV, _check_pull_switch))
     for name, check in checks:
         value = os.environ.get(name)
         try:
@@ -201,6 +206,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[Cfg.STAGE_OFFSET], v[Cfg.STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[Cfg.STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
     v[Cfg.ZERO_COPY] = int(cfg.zero_copy)
+    v[Cfg.RECEIVE_WHILE_SENDING] = int(os.environ.get(RECEIVE_WHILE_SENDING_ENV) != "0")
     v[Cfg.TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[Cfg.PENDING_PTR] = pending_ptr
     v[Cfg.QUANT] = int(QUANT_CODES[cfg.quant])

@@ -181,6 +181,20 @@ def test_a_malformed_pull_switch_is_a_config_error(monkeypatch):
         lay_mod.backend_layout(cfg, 2)
 
 
+def test_receiving_while_sending_is_on_unless_switched_off(monkeypatch):
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=1024)
+    lay = lay_mod.BufferLayout.for_config(cfg, 2)
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 1
+    monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "0")
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 0
+    monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "1")
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 1
+    lay_mod.check_environment()
+    monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "yes")
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_RECEIVE_WHILE_SENDING='yes'"):
+        lay_mod.check_environment()
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_a_malformed_sm_count_is_a_config_error_before_any_backend_starts(monkeypatch, value):
     monkeypatch.setenv(lay_mod.NUM_SMS_ENV, value)
