@@ -139,7 +139,7 @@ __device__ __forceinline__ void stamp(const Layout& L, int op, int slot, bool sy
 // Write ``value`` into this rank's slot of flag row ``row`` (see flag_slot) on every peer and this
 // rank: for call flags, that this launch's sends are complete (called by the last block to arrive).
 // Each thread releases its own flag so the NVLink round trips overlap.  ``threads`` > 0: only the
-// block's first ``threads`` threads take part (at least world of them).
+// block's first ``threads`` threads take part.
 __device__ __forceinline__ void signal_all(const Common& c, int row, uint64_t value, int threads = 0) {
   const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
   if (static_cast<int>(threadIdx.x) >= stride) return;

@@ -134,14 +134,14 @@ def _pulls(cfg: EPConfig, put_mode: bool, combine_stride: int, forced: Optional[
     reached by stores (not put mode), rows of exactly ``hidden`` elements so that the experts can
     write a contiguous ``[N, hidden]`` view of them, and prefill sizes (PULL_MIN_TOKENS) unless
     ``forced`` ($EP_COMM_COMBINE_PULL) says "1" (or "0": never)."""
-    _check_pull_switch(forced)
+    _check_on_off(forced)
     possible = cfg.zero_copy and not put_mode and combine_stride == cfg.hidden * cfg.dtype.itemsize
     if forced in ("0", "1"):
         return possible and forced == "1"
     return possible and cfg.max_tokens_per_rank >= PULL_MIN_TOKENS
 
 
-def _check_pull_switch(forced: Optional[str]) -> None:
+def _check_on_off(forced: Optional[str]) -> None:
     if forced not in (None, "", "0", "1"):
         raise ValueError("expected 0 or 1")
 
@@ -151,8 +151,8 @@ def check_environment() -> None:
     $EP_COMM_NUM_SMS or $EP_COMM_RECEIVE_WHILE_SENDING, raised before any backend is made: under
     ``backend="auto"`` it must not pass for a backend that cannot start."""
     checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
-              (COMBINE_PULL_ENV, _check_pull_switch), (NUM_SMS_ENV, _check_num_sms),
-              (RECEIVE_WHILE_SENDING_ENV, _check_pull_switch))
+              (COMBINE_PULL_ENV, _check_on_off), (NUM_SMS_ENV, _check_num_sms),
+              (RECEIVE_WHILE_SENDING_ENV, _check_on_off))
     for name, check in checks:
         value = os.environ.get(name)
         try:
