@@ -162,7 +162,9 @@ __device__ __forceinline__ void put_staged_piece(const DispatchParams& p, int64_
   }
 }
 
-template <int kQuant, bool kIds64>
+// kOverlap: receive while sending (p.receive_while_sending); a kernel of its own, so that the decode
+// kernel carries none of its code.
+template <int kQuant, bool kIds64, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
   const Layout& L = p.c.lay;
   const int lane = threadIdx.x & 31;
@@ -198,20 +200,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
-  // receive while sending (dispatch_receive.cuh; the host chooses it): the block's last p.recv_warps
+  // receive while sending (dispatch_receive.cuh; the host chooses it): the block's last kReceiveWarps
   // warps lay the peers' rows out from the start, the others send and then join them.  Their per-block
   // state: each source's token count (dynamic shared memory after the stages) and the row tickets.
-  const bool overlap = p.recv_warps > 0;
-  const int send_warps = kWarps - p.recv_warps;
+  constexpr bool overlap = kOverlap;
+  constexpr int send_warps = kOverlap ? kWarps - kReceiveWarps : kWarps;
   __shared__ int s_next_row;
   int* const s_src_tokens = s_prefix + (kQuant >= 0 ? kWarps * kQuantStageBytes / static_cast<int>(sizeof(int)) : 0);
-  if (overlap) {
+  if constexpr (overlap) {
     for (int i = threadIdx.x; i < L.world; i += blockDim.x)
       s_src_tokens[i] = i != L.rank && peer_active(L, i) ? kUnknownTokens : -1;
     if (threadIdx.x == 0) s_next_row = 0;
     __syncthreads();
     if (warp >= send_warps) {
-      const int rwarp = blockIdx.x * p.recv_warps + warp - send_warps, nrwarps = gridDim.x * p.recv_warps;
+      const int rwarp = blockIdx.x * kReceiveWarps + warp - send_warps, nrwarps = gridDim.x * kReceiveWarps;
       for (int t = p.num_tokens + rwarp; t < L.max_tokens; t += nrwarps)  // this rank's padding rows
         place_row(p, static_cast<int64_t>(L.rank) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
     }
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const WorkQueue work{p.c.counters + kStateDispatchWork, code, gridDim.x * send_warps, items};
     __shared__ uint64_t* s_mark_head[kWarps][kWarpSize];
     __shared__ int s_mark_count[kWarps];
-    if (p.recv_warps > 0 && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
+    if (overlap && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
     RowMarks marks{s_mark_head[warp], s_mark_count + warp};  // receive while sending: rows whose code is still to be written
     open_work(work);
     for (int64_t item = blockIdx.x * send_warps + warp; item < items; item = next_work(work, lane, deadline, err)) {
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         s_dst_rank[warp][i] = r.owner_rank;
       }
       __syncwarp();
-      if (p.recv_warps > 0) marks.add(dst, n_remote, L.payload_offset, lane);
+      if constexpr (overlap) marks.add(dst, n_remote, L.payload_offset, lane);
       if (chunk == 0) {
         for (int i = 0; i < n_remote; ++i) {
           uint8_t* row = dst[i] - L.payload_offset;
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
             reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
             meta[2 * k + lane] = mine ? slot : -1;
           }
-          if (lane == 0 && p.recv_warps > 0) {  // RowHeader's {scale_bytes, token}; RowMarks writes the rest
+          if (lane == 0 && overlap) {  // RowHeader's {scale_bytes, token}; RowMarks writes the rest
             *reinterpret_cast<int2*>(row + 8) = make_int2(static_cast<int32_t>(p.scale_bytes), t);
           } else if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
             *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
@@ -319,10 +321,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
         send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
       }
-      if (p.recv_warps > 0 && marks.due(min(k, L.world - 1))) marks.mark(code, p.payload_bytes, lane);
+      if (overlap && marks.due(min(k, L.world - 1))) marks.mark(code, p.payload_bytes, lane);
     }
 
-    if (overlap) {
+    if constexpr (overlap) {
       // the block's send warps arrive without waiting for the other blocks; the last block signals
       marks.mark(code, p.payload_bytes, lane);
       const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err, send_warps * kWarpSize);
@@ -373,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       if (!(p.phases & kPhaseReceive)) return;
     }
   }
-  if (overlap) {  // the receive warps from the start, the send warps once they arrived
+  if constexpr (overlap) {  // the receive warps from the start, the send warps once they arrived
     receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, lane);
     __syncthreads();
     stamp(L, kTraceDispatch, kTrSource0 + 1);  // every source's rows laid out
@@ -470,7 +472,7 @@ size_t dispatch_smem_bytes(int world, int num_local) {
 // Raise the kernel's dynamic shared memory limit to ``bytes`` on the current device, once: the limit
 // is per function and device, and only ever raised, so launches of communicators of other sizes (from
 // other host threads too) never see it lowered under them.
-template <int kQuant, bool kIds64>
+template <int kQuant, bool kIds64, bool kOverlap>
 cudaError_t allow_dispatch_smem(size_t bytes) {
   static std::mutex mutex;
   static std::array<size_t, kMaxDevices> allowed{};
@@ -480,27 +482,36 @@ cudaError_t allow_dispatch_smem(size_t bytes) {
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   std::lock_guard<std::mutex> lock(mutex);
   if (bytes <= allowed[dev]) return cudaSuccess;
-  e = cudaFuncSetAttribute(dispatch_kernel<kQuant, kIds64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(dispatch_kernel<kQuant, kIds64, kOverlap>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(bytes));
   if (e == cudaSuccess) allowed[dev] = bytes;
   return e;
 }
 
-template <int kQuant, bool kIds64>
-cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
+template <int kQuant, bool kIds64, bool kOverlap>
+cudaError_t launch_dispatch_kernel(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
   // the receive half's arrays, or (quantising, sending) the warps' stages, whichever is larger; a
   // launch that needs neither leaves the shared memory to L1
   const size_t recv = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
   const size_t stages = kQuant >= 0 && (p.phases & kPhaseSend) ? static_cast<size_t>(kWarps) * kQuantStageBytes : 0;
   // receiving while sending: the stages, then [world] token counts
-  const size_t overlap = p.recv_warps > 0 ? stages + sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
+  const size_t overlap = kOverlap ? stages + sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
   const size_t smem = std::max({recv, stages, overlap});
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
-    const cudaError_t e = allow_dispatch_smem<kQuant, kIds64>(smem);
+    const cudaError_t e = allow_dispatch_smem<kQuant, kIds64, kOverlap>(smem);
     if (e != cudaSuccess) return e;
   }
-  dispatch_kernel<kQuant, kIds64><<<dim3(num_blocks), dim3(kThreads), smem, stream>>>(p);
+  dispatch_kernel<kQuant, kIds64, kOverlap><<<dim3(num_blocks), dim3(kThreads), smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <int kQuant, bool kIds64>
+cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
+  // the host receives while sending with copied rows only (ops.h): only those have that kernel
+  if constexpr (kQuant < 0) {
+    if (p.receive_while_sending) return launch_dispatch_kernel<kQuant, kIds64, true>(p, num_blocks, stream);
+  }
+  return launch_dispatch_kernel<kQuant, kIds64, false>(p, num_blocks, stream);
 }
 
 }  // namespace

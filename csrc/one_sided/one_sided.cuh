@@ -94,7 +94,7 @@ struct DispatchParams {
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
   bool checked;                 // kPhaseChecked: an input verdict precedes the launch (protocol.h)
-  int recv_warps;               // > 0: that many warps of each block receive while the others send
+  bool receive_while_sending;   // kReceiveWarps warps of each block receive while the others send
 };
 
 // Receive while sending (dispatch_receive.cuh), the warps of a block that lay rows out from the start:

@@ -141,7 +141,7 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   const bool switched_on = cfg[kCfgReceiveWhileSending] != 0;  // $EP_COMM_RECEIVE_WHILE_SENDING
   const bool copied_whole_rows = p.chunks == 1 && cfg[kCfgQuant] == kQuantNone;
   const bool one_launch_mapped = p.phases == kPhaseBoth && L.put == 0 && !L.batched && !L.zero_copy;
-  p.recv_warps = switched_on && copied_whole_rows && one_launch_mapped && L.world > 1 ? kReceiveWarps : 0;
+  p.receive_while_sending = switched_on && copied_whole_rows && one_launch_mapped && L.world > 1;
   const auto opts = x.options();
   at::Tensor out_x, out_s;
   if (L.batched) {
