@@ -9,6 +9,9 @@ captures dispatch and combine in CUDA graphs like ``ep-comm bench --mode graph``
 after lining the ranks up on the device, and prints per rank the median over ``--iters`` replays of
 each phase's time from the kernel's first block start (max over blocks), next to the CUDA-event
 time of the replay (ranks aligned and launch gap hidden as in the bench: ``launcher.align_devices``).
+A dispatch that receives while it sends also gives the peer rows its receiving warps had laid out
+when the sends ended ("rows by sent", over all blocks) and how long each of those warps had waited
+for rows to land by then ("wait/warp by sent", µs).
 The stamps add block barriers, so the kernels run slightly slower than in the bench; the split is
 what matters.  Timers of different GPUs are not synchronised: compare phases within a rank.
 """
@@ -26,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ep_comm  # noqa: E402
 from ep_comm import oracle  # noqa: E402
 from ep_comm.backends.one_sided.device import TRACE_ENV  # noqa: E402
-from ep_comm.backends.protocol import Stamp, Trace  # noqa: E402
+from ep_comm.backends.protocol import Limit, Stamp, Trace  # noqa: E402
 from ep_comm.cli.launcher import _SPAWNED_ENV, align_devices, gather_objects, host_barrier, setup_rank  # noqa: E402
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
 
@@ -51,6 +54,10 @@ def _phases(stamps: torch.Tensor, op: int, world: int) -> dict[str, float]:
         col = col[col > 0]
         if col.numel():
             out[name] = float((col.max() - t0) / 1e3)
+    if op == Trace.DISPATCH and (blocks[:, Stamp.ROWS_BY_SENT] > 0).any():  # receiving while sending
+        out["rows by sent"] = float(blocks[:, Stamp.ROWS_BY_SENT].sum())
+        warps = blocks.shape[0] * Limit.RECEIVE_WARPS
+        out["wait/warp by sent"] = float(blocks[:, Stamp.WAITED_BY_SENT].sum() / warps / 1e3)
     return out
 
 

@@ -206,11 +206,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   constexpr bool overlap = kOverlap;
   constexpr int send_warps = kOverlap ? kWarps - kReceiveWarps : kWarps;
   __shared__ int s_next_row;
+  __shared__ ReceiveProgress s_progress;
+  ReceiveProgress* const progress = kOverlap && L.trace != nullptr ? &s_progress : nullptr;
   int* const s_src_tokens = s_prefix + (kQuant >= 0 ? kWarps * kQuantStageBytes / static_cast<int>(sizeof(int)) : 0);
   if constexpr (overlap) {
     for (int i = threadIdx.x; i < L.world; i += blockDim.x)
       s_src_tokens[i] = i != L.rank && peer_active(L, i) ? kUnknownTokens : -1;
-    if (threadIdx.x == 0) s_next_row = 0;
+    if (threadIdx.x == 0) {
+      s_next_row = 0;
+      s_progress = ReceiveProgress{0, 1, 0ull};
+    }
     __syncthreads();
     if (warp >= send_warps) {
       const int rwarp = blockIdx.x * kReceiveWarps + warp - send_warps, nrwarps = gridDim.x * kReceiveWarps;
@@ -330,6 +335,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err, send_warps * kWarpSize);
       stamp(L, kTraceDispatch, kTrSent);
       stamp(L, kTraceDispatch, kTrArrived);
+      if (progress != nullptr && threadIdx.x == 0) {
+        volatile ReceiveProgress* v = progress;
+        v->sending = 0;
+        uint64_t* slots = L.trace + (static_cast<int64_t>(kTraceDispatch) * gridDim.x + blockIdx.x) * kTraceSlots;
+        slots[kTrRowsBySent] = static_cast<uint64_t>(v->rows);
+        slots[kTrWaitedBySent] = v->waited_ns;
+      }
       if (a.last) {
         close_work(work);
         signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code,
@@ -376,7 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
   }
   if constexpr (overlap) {  // the receive warps from the start, the send warps once they arrived
-    receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, lane);
+    receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, progress,
+                          lane);
     __syncthreads();
     stamp(L, kTraceDispatch, kTrSource0 + 1);  // every source's rows laid out
     stamp(L, kTraceDispatch, kTrEnd);

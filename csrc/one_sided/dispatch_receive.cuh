@@ -200,6 +200,14 @@ struct RowMarks {
   }
 };
 
+// Traced (EP_COMM_TRACE=1): what a block's receiving warps did while its send warps still sent, in
+// shared memory; the send warps write it to the stamps (Stamp.ROWS_BY_SENT, WAITED_BY_SENT) on arrival.
+struct ReceiveProgress {
+  int rows;                      // rows laid out
+  int sending;                   // 1 until the block's send warps arrive
+  unsigned long long waited_ns;  // waits for a row that ended while the block sent, summed over warps
+};
+
 // A source's token count as receive_while_sending keeps it per block: not known before its flag is seen.
 constexpr int kUnknownTokens = -2;
 
@@ -270,10 +278,10 @@ __device__ bool await_row(const DispatchParams& p, int parity, const uint8_t* ro
 // The peers' rows [world - 1][max_tokens], t-major over the sources (they all send in token order), go
 // to this block's warps as they ask: block b takes every gridDim.x-th row, ``next`` is the block's
 // ticket counter (shared).  ``tokens``: [world] per block, kUnknownTokens for each active peer at the
-// start.
+// start.  ``progress``: null unless traced.
 __device__ void receive_while_sending(const DispatchParams& p, uint32_t code, int parity, int data_half, int* next,
                                       int* tokens, uint8_t** dst, uint8_t** dst_s, uint64_t deadline,
-                                      const ErrorSink& err, int lane) {
+                                      const ErrorSink& err, ReceiveProgress* progress, int lane) {
   const Layout& L = p.c.lay;
   const int sources = L.world - 1;
   const int64_t items = static_cast<int64_t>(sources) * L.max_tokens;
@@ -288,10 +296,16 @@ __device__ void receive_while_sending(const DispatchParams& p, uint32_t code, in
     const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
     const uint8_t* row = rows + row_index * L.row_stride;
     int valid = 0;
-    if (lane == 0) valid = await_row(p, parity, row, t, src, code, tokens, deadline, err);
+    if (lane == 0) {
+      const uint64_t t0 = progress != nullptr ? global_timer_ns() : 0;
+      valid = await_row(p, parity, row, t, src, code, tokens, deadline, err);
+      if (progress != nullptr && *reinterpret_cast<volatile int*>(&progress->sending))
+        atomicAdd(&progress->waited_ns, static_cast<unsigned long long>(global_timer_ns() - t0));
+    }
     valid = __shfl_sync(kFull, valid, 0);
     __syncwarp();  // lane 0's acquire before every lane's loads
     lay_out_piece(p, row, row_index, src, 0, valid != 0, nullptr, nullptr, dst, dst_s, lane);
+    if (progress != nullptr && lane == 0) atomicAdd(&progress->rows, 1);
   }
 }
 

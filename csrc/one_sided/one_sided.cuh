@@ -97,10 +97,6 @@ struct DispatchParams {
   bool receive_while_sending;   // kReceiveWarps warps of each block receive while the others send
 };
 
-// Receive while sending (dispatch_receive.cuh), the warps of a block that lay rows out from the start:
-// 4 of 16 was the fastest split in bench/microbench/overlap_recv.cu at 24 SMs (10 and 14 slower).
-constexpr int kReceiveWarps = 4;
-
 struct CombineParams {
   Common c;
   const void* expert_out;  // standard [N, hidden]; batched [L, capacity, hidden]

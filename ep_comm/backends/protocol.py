@@ -157,6 +157,9 @@ class Stamp(enum.IntEnum):
     SIGNALLED = 3  # the last block released the peers' flags (last block only)
     SOURCE0 = 4  # dispatch: 4 + 2i flag of source i seen, 5 every source's rows laid out; combine: every flag seen
     END = 20  # block done
+    # receive while sending (counts, not times), written when the block's send warps arrive:
+    ROWS_BY_SENT = 21  # peer rows the block's receiving warps had laid out
+    WAITED_BY_SENT = 22  # ns they had waited for rows to land, summed over the warps
 
 
 @enum.unique
@@ -178,6 +181,9 @@ class Limit:
     GROUP_TOKENS = 32  # prefill combines signal per group of this many tokens
     ROW_HEADER_BYTES = 16  # RowHeader at the head of every dispatch row
     SEQ_BITS = 30  # call numbers wrap modulo 2**SEQ_BITS in a flag code
+    # receive while sending (dispatch_receive.cuh): the warps of a block that lay rows out from the start;
+    # 4 of 16 was the fastest split in bench/microbench/overlap_recv.cu at 24 SMs (10 and 14 slower)
+    RECEIVE_WARPS = 4
 
 
 # enum -> C++ prefix of its names (Cfg.ROW_STRIDE -> kCfgRowStride) and the underlying type

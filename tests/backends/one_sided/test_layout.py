@@ -67,7 +67,8 @@ def test_combine_grouped_mode_from_the_environment():
 
 def test_the_table_keeps_its_own_invariants():
     """What the kernels assume of the shared numbers."""
-    assert Stamp.SOURCE0 + 2 * Trace.SOURCES <= Stamp.END < Trace.SLOTS
+    assert Stamp.SOURCE0 + 2 * Trace.SOURCES <= Stamp.END < Stamp.ROWS_BY_SENT < Stamp.WAITED_BY_SENT < Trace.SLOTS
+    assert 0 < Limit.RECEIVE_WARPS < Limit.THREADS // 32  # some warps send, some receive
     assert Phase.CHECKED & Phase.BOTH == 0 and Phase.SEND | Phase.RECEIVE == Phase.BOTH
     assert Status.EXPECTED_CODE < Status.RANK_REASON
     assert all(bin(r).count("1") == 1 for r in Reason)  # bits of one word
