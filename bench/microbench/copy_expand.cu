@@ -9,7 +9,8 @@
 // a random permutation so stores scatter like the real layout.  Also copies to a peer GPU when there
 // is one (`peer` rows: destination in GPU 1's memory, mapped with cudaDeviceEnablePeerAccess).
 //
-// Build and run (no torch needed):  nvcc -std=c++17 -O3 -arch=sm_90 copy_expand.cu -o ce && ./ce
+// Build and run (no torch needed):  nvcc -std=c++17 -O3 -arch=sm_90 copy_expand.cu -o ce && ./ce [rows] [blocks,...]
+// (default block counts 24,32,64 and every SM; e.g. `./ce 4096 8,12,16,20,24` for how few SMs reach the link)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -307,7 +308,21 @@ int main(int argc, char** argv) {
 
   const double row_mb = static_cast<double>(rows) * kRowBytes / 1e6;
   std::printf("%-26s %6s %10s %12s\n", "variant", "blocks", "p50 us", "GB/s moved");
-  for (int blocks : {24, 32, 64, prop.multiProcessorCount}) {
+  std::vector<int> block_counts{24, 32, 64, prop.multiProcessorCount};
+  if (argc > 2) {  // a comma-separated list
+    block_counts.clear();
+    for (const char* c = argv[2]; *c != '\0';) {
+      char* end = nullptr;
+      const long b = std::strtol(c, &end, 10);
+      if (end == c || b < 1 || b > prop.multiProcessorCount) {
+        std::fprintf(stderr, "block counts: a comma-separated list of 1..%d\n", prop.multiProcessorCount);
+        return 2;
+      }
+      block_counts.push_back(static_cast<int>(b));
+      c = *end == ',' ? end + 1 : end;
+    }
+  }
+  for (int blocks : block_counts) {
     auto report = [&](const char* name, std::pair<float, float> p50_min, double mb) {
       const float us = p50_min.first;
       std::printf("%-26s %6d %10.1f %12.0f\n", name, blocks, us, mb * 1e3 / us);
