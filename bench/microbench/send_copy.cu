@@ -64,16 +64,16 @@ __device__ __forceinline__ uint8_t* destination(const Args& a, int r, int j) {
   return a.peer[(r + j) % a.peers] + static_cast<int64_t>(r) * kRowBytes;
 }
 
-// 16-byte stores by the whole warp, 8 loads in flight per lane
+// 16-byte stores by the whole warp, 4 loads in flight per lane (the kernels' send-side warp copy)
 __device__ void send_regs(const Args& a, int gw, int nw, int lane) {
-  constexpr int n = kRowBytes / 16, kUnroll = 8;
+  constexpr int n = kRowBytes / 16, kUnroll = 4;
   for (int r = gw; r < a.rows; r += nw) {
     const int4* s = reinterpret_cast<const int4*>(a.src + static_cast<int64_t>(r) * kRowBytes);
     for (int i = lane; i < n; i += kUnroll * 32) {
       int4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (i + u * 32 < n) v[u] = __ldcg(s + i + u * 32);
+        if (i + u * 32 < n) v[u] = s[i + u * 32];
       for (int j = 0; j < a.fan; ++j) {
         int4* o = reinterpret_cast<int4*>(destination(a, r, j));
 #pragma unroll
