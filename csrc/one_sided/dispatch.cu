@@ -195,21 +195,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   // dynamic shared memory: while sending, the quantising kernels' per-warp stages (their rows leave
   // through them 16 bytes per lane: quantise.cuh, store_staged); while receiving, [world] token counts and
   // [world][num_local] counts and slot bases.  grid_arrive's barrier lies between the two uses.  Receiving
-  // while sending, both at once: the stages, then [world] token counts.
+  // while sending (copied rows: no stages), [world] token counts from the start.
   extern __shared__ __align__(16) int s_prefix[];
   uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
   // receive while sending (dispatch_receive.cuh; the host chooses it): the block's last kReceiveWarps
   // warps lay the peers' rows out from the start, the others send and then join them.  Their per-block
-  // state: each source's token count (dynamic shared memory after the stages) and the row tickets.
-  constexpr bool overlap = kOverlap;
+  // state: each source's token count (dynamic shared memory) and the row tickets.
+  static_assert(!kOverlap || kQuant < 0, "receiving while sending: copied rows only (ops.h)");
   constexpr int send_warps = kOverlap ? kWarps - kReceiveWarps : kWarps;
   __shared__ int s_next_row;
   __shared__ ReceiveProgress s_progress;
   ReceiveProgress* const progress = kOverlap && L.trace != nullptr ? &s_progress : nullptr;
-  int* const s_src_tokens = s_prefix + (kQuant >= 0 ? kWarps * kQuantStageBytes / static_cast<int>(sizeof(int)) : 0);
-  if constexpr (overlap) {
+  int* const s_src_tokens = s_prefix;
+  if constexpr (kOverlap) {
     for (int i = threadIdx.x; i < L.world; i += blockDim.x)
       s_src_tokens[i] = i != L.rank && peer_active(L, i) ? kUnknownTokens : -1;
     if (threadIdx.x == 0) {
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     const WorkQueue work{p.c.counters + kStateDispatchWork, code, gridDim.x * send_warps, items};
     __shared__ uint64_t* s_mark_head[kWarps][kWarpSize];
     __shared__ int s_mark_count[kWarps];
-    if (overlap && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
+    if (kOverlap && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
     RowMarks marks{s_mark_head[warp], s_mark_count + warp};  // receive while sending: rows whose code is still to be written
     open_work(work);
     for (int64_t item = blockIdx.x * send_warps + warp; item < items; item = next_work(work, lane, deadline, err)) {
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         s_dst_rank[warp][i] = r.owner_rank;
       }
       __syncwarp();
-      if constexpr (overlap) marks.add(dst, n_remote, L.payload_offset, lane);
+      if constexpr (kOverlap) marks.add(dst, n_remote, L.payload_offset, lane);
       if (chunk == 0) {
         for (int i = 0; i < n_remote; ++i) {
           uint8_t* row = dst[i] - L.payload_offset;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
             reinterpret_cast<float*>(meta + k)[lane] = mine ? r.weight : 0.f;
             meta[2 * k + lane] = mine ? slot : -1;
           }
-          if (lane == 0 && overlap) {  // RowHeader's {scale_bytes, token}; RowMarks writes the rest
+          if (lane == 0 && kOverlap) {  // RowHeader's {scale_bytes, token}; RowMarks writes the rest
             *reinterpret_cast<int2*>(row + 8) = make_int2(static_cast<int32_t>(p.scale_bytes), t);
           } else if (lane == 0) {  // RowHeader {code, payload_bytes, scale_bytes, token}
             *reinterpret_cast<int4*>(row) = make_int4(static_cast<int32_t>(code), static_cast<int32_t>(p.payload_bytes),
@@ -326,10 +326,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         const int n = place_row(p, row, own ? r.local : -1, r.weight, slot, chunk == 0, dst, dst_s, lane);
         send_payload<kQuant>(p, t, lo, hi, dst, dst_s, n, lane, quant_stage);
       }
-      if (overlap && marks.due(min(k, L.world - 1))) marks.mark(code, p.payload_bytes, lane);
+      if (kOverlap && marks.due(min(k, L.world - 1))) marks.mark(code, p.payload_bytes, lane);
     }
 
-    if constexpr (overlap) {
+    if constexpr (kOverlap) {
       // the block's send warps arrive without waiting for the other blocks; the last block signals
       marks.mark(code, p.payload_bytes, lane);
       const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err, send_warps * kWarpSize);
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       if (!(p.phases & kPhaseReceive)) return;
     }
   }
-  if constexpr (overlap) {  // the receive warps from the start, the send warps once they arrived
+  if constexpr (kOverlap) {  // the receive warps from the start, the send warps once they arrived
     receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, progress,
                           lane);
     __syncthreads();
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   int* const s_base = s_count + L.world * nl;   // [world][nl] first slot of each source's rows of expert e
   uint8_t* const own_buf = peer_ptr(p.c, L.rank);
   const int32_t* const counts = reinterpret_cast<const int32_t*>(own_buf + L.counts_offset[parity]);
-  for (int i = threadIdx.x; i < L.world; i += blockDim.x) {  // one thread per source: the waits overlap
+  for (int i = threadIdx.x; i < L.world; i += blockDim.x) {  // one thread per source: the waits kOverlap
     const int src = (L.rank + i) % L.world;
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
     uint64_t v = peer_active(L, src) ? wait_flag(flag, code, src, deadline, err) : 0;  // a rank that left: no rows
@@ -507,9 +507,9 @@ cudaError_t launch_dispatch_kernel(const DispatchParams& p, int num_blocks, cuda
   // launch that needs neither leaves the shared memory to L1
   const size_t recv = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
   const size_t stages = kQuant >= 0 && (p.phases & kPhaseSend) ? static_cast<size_t>(kWarps) * kQuantStageBytes : 0;
-  // receiving while sending: the stages, then [world] token counts
-  const size_t overlap = kOverlap ? stages + sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
-  const size_t smem = std::max({recv, stages, overlap});
+  // receiving while sending: [world] token counts
+  const size_t tokens = kOverlap ? sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
+  const size_t smem = std::max({recv, stages, tokens});
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
     const cudaError_t e = allow_dispatch_smem<kQuant, kIds64, kOverlap>(smem);
     if (e != cudaSuccess) return e;

@@ -162,12 +162,11 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
 // soon as its header carries the call's code marked kRowLanded, so the sender writes the code last:
 // the header's second half {scale_bytes, token} goes with the row, its first half {code,
 // payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  Each
-// send warp fences once per kMarkRows tokens for all of their rows (a fence per row cost the sends
+// send warp fences once per kMarkTokens tokens for all of their rows (a fence per row cost the sends
 // 18 % on 24 SMs, one per 4 rows 2-4 %: bench/microbench/overlap_recv.cu).
-constexpr int kMarkRows = 4;
+constexpr int kMarkTokens = 4;
 
-// The rows a send warp has sent but not yet marked, in shared memory: nothing of them stays in registers
-// across the quantisers, which use every register they get.
+// The rows a send warp has sent but not yet marked, in shared memory: the send loop keeps its registers.
 struct RowMarks {
   uint64_t** head;  // [kWarpSize] the rows' headers
   int* count;       // tokens since the last fence << 8 | their rows (one per remote destination)
@@ -180,10 +179,10 @@ struct RowMarks {
     if (lane == 0) *count = c + (1 << 8) + n;
     __syncwarp();
   }
-  // Whether to mark now: kMarkRows tokens, or too few lanes left for another token's ``room`` rows.
+  // Whether to mark now: kMarkTokens tokens, or too few lanes left for another token's ``room`` rows.
   __device__ __forceinline__ bool due(int room) const {
     const int c = *count;
-    return (c >> 8) >= kMarkRows || (c & 0xff) + room > kWarpSize;
+    return (c >> 8) >= kMarkTokens || (c & 0xff) + room > kWarpSize;
   }
   // The fence, then every pending row's code word: the call's code and the payload bytes, landed.
   __device__ __forceinline__ void mark(uint32_t code, int64_t payload_bytes, int lane) {
