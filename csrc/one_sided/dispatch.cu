@@ -271,7 +271,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         s_dst_rank[warp][i] = r.owner_rank;
       }
       __syncwarp();
-      if constexpr (kOverlap) marks.add(dst, n_remote, L.payload_offset, lane);
+      if constexpr (kOverlap) {
+        mark_absent(p, code, row_off, s_dst_rank[warp], n_remote, lane);
+        marks.add(dst, n_remote, L.payload_offset, lane);
+      }
       if (chunk == 0) {
         for (int i = 0; i < n_remote; ++i) {
           uint8_t* row = dst[i] - L.payload_offset;

@@ -54,13 +54,17 @@ __device__ __forceinline__ int place_row(const DispatchParams& p, int64_t row, i
 // while sending, below): the row may be laid out before its source's flag.  Without it (a sender that
 // split rows into pieces, which each rank chooses by its own token count) only after the flag.
 constexpr uint32_t kRowLanded = 1u << 31;
+// Set with kRowLanded, payload bytes 0, by a sender receiving while sending in the header of its row
+// for a peer that token t does not go to: no row comes there this call, so that peer's receiving warps
+// move past it instead of waiting for the sender's flag (at EP4 about one token in ten skips a peer).
+constexpr uint32_t kRowAbsent = 1u << 30;
 
 // Whether a peer's row header (call code, payload and scale bytes) belongs to this call and has this
 // rank's widths; another width is recorded against the peer when ``report``.
 __device__ __forceinline__ bool header_matches(const DispatchParams& p, uint32_t row_code, int32_t payload_field,
                                                int32_t scale_bytes, uint32_t code, int src, bool report,
                                                const ErrorSink& err) {
-  if (row_code != code) return false;
+  if (row_code != code || (static_cast<uint32_t>(payload_field) & kRowAbsent)) return false;
   const uint32_t payload_bytes = static_cast<uint32_t>(payload_field) & ~kRowLanded;
   if (payload_bytes == p.payload_bytes && scale_bytes == p.scale_bytes) return true;
   if (report) {
@@ -198,6 +202,21 @@ struct RowMarks {
     __syncwarp();
   }
 };
+
+// Token t's header at every active peer it does not go to (``dst_rank[0 .. n)``: the ones it goes to)
+// says so: {code, kRowLanded | kRowAbsent}.  No bytes come with it, so no fence orders it.
+__device__ __forceinline__ void mark_absent(const DispatchParams& p, uint32_t code, int64_t row_off,
+                                            const int* dst_rank, int n, int lane) {
+  const Layout& L = p.c.lay;
+  for (int q = lane; q < L.world; q += kWarpSize) {
+    if (q == L.rank || !peer_active(L, q)) continue;
+    bool goes = false;
+    for (int i = 0; i < n; ++i) goes |= dst_rank[i] == q;
+    if (!goes)
+      *reinterpret_cast<volatile uint64_t*>(peer_ptr(p.c, q) + row_off) =
+          static_cast<uint64_t>(code) | static_cast<uint64_t>(kRowLanded | kRowAbsent) << 32;
+  }
+}
 
 // Traced (EP_COMM_TRACE=1): what a block's receiving warps did while its send warps still sent, in
 // shared memory; the send warps write it to the stamps (Stamp.ROWS_BY_SENT, WAITED_BY_SENT) on arrival.
