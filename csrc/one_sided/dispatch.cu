@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     __shared__ uint64_t* s_mark_head[kWarps][kWarpSize];
     __shared__ int s_mark_count[kWarps];
     if (kOverlap && lane == 0) s_mark_count[warp] = 0;  // (the warp syncs before its first add)
-    RowMarks marks{s_mark_head[warp], s_mark_count + warp};  // receive while sending: rows whose code is still to be written
+    // receive while sending: rows whose code is still to be written
+    RowMarks marks{s_mark_head[warp], s_mark_count + warp, tokens_per_mark(L.world)};
     open_work(work);
     for (int64_t item = blockIdx.x * send_warps + warp; item < items; item = next_work(work, lane, deadline, err)) {
       const int t = static_cast<int>(item / p.chunks);

@@ -165,15 +165,19 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
 // sends (link- or, quantising, instruction-bound) instead of after them.  A row is then laid out as
 // soon as its header carries the call's code marked kRowLanded, so the sender writes the code last:
 // the header's second half {scale_bytes, token} goes with the row, its first half {code,
-// payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  Each
-// send warp fences once per kMarkTokens tokens for all of their rows (a fence per row cost the sends
-// 18 % on 24 SMs, one per 4 rows 2-4 %: bench/microbench/overlap_recv.cu).
-constexpr int kMarkTokens = 4;
+// payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  A send
+// warp fences once for the rows of a few tokens: a fence per row cost the sends 18 % on 24 SMs, one per
+// 4 rows 2-4 % (bench/microbench/overlap_recv.cu), while rows sent but not yet marked leave the
+// receiving warps waiting.  A token sends about one row to each other rank, so the warp marks after
+// about kMarkRows rows: every 4 tokens at EP2, every token from EP4 on (docs/performance.md).
+constexpr int kMarkRows = 4;
+__device__ __forceinline__ int tokens_per_mark(int world) { return max(1, kMarkRows / max(1, world - 1)); }
 
 // The rows a send warp has sent but not yet marked, in shared memory: the send loop keeps its registers.
 struct RowMarks {
   uint64_t** head;  // [kWarpSize] the rows' headers
   int* count;       // tokens since the last fence << 8 | their rows (one per remote destination)
+  int every;        // tokens marked at once (tokens_per_mark)
 
   // Rows dst[0 .. n) (their payloads; the header is payload_offset before) of one token.
   __device__ __forceinline__ void add(uint8_t* const* dst, int n, int64_t payload_offset, int lane) {
@@ -183,10 +187,10 @@ struct RowMarks {
     if (lane == 0) *count = c + (1 << 8) + n;
     __syncwarp();
   }
-  // Whether to mark now: kMarkTokens tokens, or too few lanes left for another token's ``room`` rows.
+  // Whether to mark now: ``every`` tokens, or too few lanes left for another token's ``room`` rows.
   __device__ __forceinline__ bool due(int room) const {
     const int c = *count;
-    return (c >> 8) >= kMarkTokens || (c & 0xff) + room > kWarpSize;
+    return (c >> 8) >= every || (c & 0xff) + room > kWarpSize;
   }
   // The fence, then every pending row's code word: the call's code and the payload bytes, landed.
   __device__ __forceinline__ void mark(uint32_t code, int64_t payload_bytes, int lane) {
