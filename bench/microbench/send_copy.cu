@@ -2,11 +2,10 @@
 // TMA bulk sends leave the SMs' memory pipes free for that copy?
 //
 // The copied standard dispatch receives while it sends: 4 of each block's 16 warps copy the peers'
-// rows into the output while 12 send.  At EP2 (each row to one peer) the copying warps did about half
-// of the copy before the sends ended; at EP4 (each row to about 2.7 of 3 peers) about a tenth
-// (docs/performance.md).  This program takes the protocol out: GPU 0 sends `rows` rows of 14,336
-// bytes, each to `fan` of the other GPUs (row r to peers r, r + 1, ... modulo their count), while its
-// other warps copy rows x fan local rows (what it would receive), and times
+// rows into the output while 12 send, and the copy that is left when the sends end adds to the
+// dispatch's time (docs/performance.md).  This program takes the protocol out: GPU 0 sends `rows` rows
+// of 14,336 bytes, each to `fan` of the other GPUs (row r to peers r, r + 1, ... modulo their count),
+// while its other warps copy rows x fan local rows (what it would receive), and times
 //
 //   send          every warp sends (16-byte warp stores, or TMA: one lane per warp loads a piece into
 //                 shared memory and bulk-stores it to each destination)
