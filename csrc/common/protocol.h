@@ -40,8 +40,8 @@ EP_HD int max_groups(int max_tokens) { return (max_tokens + kGroupTokens - 1) / 
 
 // Head of a dispatch row; int32 local ids [k], float weights [k] and int32 slot indices [k] (the row's
 // index among the rows this source sends to that local expert) follow, then payload and scales.  The
-// top bit of payload_bytes marks a row whose header was written after its bytes (kRowLanded,
-// one_sided/dispatch_receive.cuh).
+// top bit of payload_bytes marks a row whose header was written after its bytes (kRowLanded), the
+// next one a row that does not come this call (kRowAbsent; both in one_sided/dispatch_receive.cuh).
 struct RowHeader {
   uint32_t code;
   int32_t payload_bytes;

@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   int* const s_base = s_count + L.world * nl;   // [world][nl] first slot of each source's rows of expert e
   uint8_t* const own_buf = peer_ptr(p.c, L.rank);
   const int32_t* const counts = reinterpret_cast<const int32_t*>(own_buf + L.counts_offset[parity]);
-  for (int i = threadIdx.x; i < L.world; i += blockDim.x) {  // one thread per source: the waits kOverlap
+  for (int i = threadIdx.x; i < L.world; i += blockDim.x) {  // one thread per source: the waits overlap
     const int src = (L.rank + i) % L.world;
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(own_buf + L.flags_offset) + parity * L.world + src;
     uint64_t v = peer_active(L, src) ? wait_flag(flag, code, src, deadline, err) : 0;  // a rank that left: no rows

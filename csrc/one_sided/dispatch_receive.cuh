@@ -59,6 +59,11 @@ constexpr uint32_t kRowLanded = 1u << 31;
 // move past it instead of waiting for the sender's flag (at EP4 about one token in ten skips a peer).
 constexpr uint32_t kRowAbsent = 1u << 30;
 
+// A row header's first 8 bytes, {code, payload_field}, as one word: written last and alone.
+__device__ __forceinline__ void write_row_code(void* header, uint32_t code, uint32_t payload_field) {
+  *static_cast<volatile uint64_t*>(header) = static_cast<uint64_t>(code) | static_cast<uint64_t>(payload_field) << 32;
+}
+
 // Whether a peer's row header (call code, payload and scale bytes) belongs to this call and has this
 // rank's widths; another width is recorded against the peer when ``report``.
 __device__ __forceinline__ bool header_matches(const DispatchParams& p, uint32_t row_code, int32_t payload_field,
@@ -199,8 +204,7 @@ struct RowMarks {
     __syncwarp();
     __threadfence_system();
     if (lane < (c & 0xff))
-      *reinterpret_cast<volatile uint64_t*>(head[lane]) =
-          static_cast<uint64_t>(code) | static_cast<uint64_t>(payload_bytes | kRowLanded) << 32;
+      write_row_code(head[lane], code, static_cast<uint32_t>(payload_bytes) | kRowLanded);
     __syncwarp();
     if (lane == 0) *count = 0;
     __syncwarp();
@@ -216,9 +220,7 @@ __device__ __forceinline__ void mark_absent(const DispatchParams& p, uint32_t co
     if (q == L.rank || !peer_active(L, q)) continue;
     bool goes = false;
     for (int i = 0; i < n; ++i) goes |= dst_rank[i] == q;
-    if (!goes)
-      *reinterpret_cast<volatile uint64_t*>(peer_ptr(p.c, q) + row_off) =
-          static_cast<uint64_t>(code) | static_cast<uint64_t>(kRowLanded | kRowAbsent) << 32;
+    if (!goes) write_row_code(peer_ptr(p.c, q) + row_off, code, kRowLanded | kRowAbsent);
   }
 }
 
