@@ -162,7 +162,7 @@ __device__ __forceinline__ void put_staged_piece(const DispatchParams& p, int64_
   }
 }
 
-// kOverlap: receive while sending (p.receive_while_sending); a kernel of its own, so that the decode
+// kOverlap: receive while sending (p.receive_warps > 0); a kernel of its own, so that the decode
 // kernel carries none of its code.
 template <int kQuant, bool kIds64, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
@@ -200,15 +200,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   uint8_t* const quant_stage = kQuant >= 0 ? reinterpret_cast<uint8_t*>(s_prefix) + warp * kQuantStageBytes : nullptr;
   uint8_t** dst = s_dst[warp];
   uint8_t** dst_s = s_dst_s[warp];
-  // receive while sending (dispatch_receive.cuh; the host chooses it): the block's last kReceiveWarps
-  // warps lay the peers' rows out from the start, the others send and then join them.  Their per-block
-  // state: each source's token count (dynamic shared memory) and the row tickets.
-  static_assert(!kOverlap || kQuant < 0, "receiving while sending: copied rows only (ops.h)");
-  constexpr int send_warps = kOverlap ? kWarps - kReceiveWarps : kWarps;
+  // receive while sending (dispatch_receive.cuh; the host chooses it and how many): the block's last
+  // p.receive_warps warps lay the peers' rows out from the start, the others send and then join them.
+  // Their per-block state: each source's token count (dynamic shared memory, after the quantiser's stages
+  // when there are any) and the row tickets.
+  static_assert(!kOverlap || kQuant < 0 || kQuant == kBf16, "receiving while sending: copied rows or fp8 from bf16 (ops.h)");
+  const int receive_warps = kOverlap ? p.receive_warps : 0;
+  const int send_warps = kWarps - receive_warps;
   __shared__ int s_next_row;
   __shared__ ReceiveProgress s_progress;
   ReceiveProgress* const progress = kOverlap && L.trace != nullptr ? &s_progress : nullptr;
-  int* const s_src_tokens = s_prefix;
+  int* const s_src_tokens = s_prefix + (kOverlap && kQuant >= 0 ? kWarps * kQuantStageBytes / static_cast<int>(sizeof(int)) : 0);
   if constexpr (kOverlap) {
     for (int i = threadIdx.x; i < L.world; i += blockDim.x)
       s_src_tokens[i] = i != L.rank && peer_active(L, i) ? kUnknownTokens : -1;
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     __syncthreads();
     if (warp >= send_warps) {
-      const int rwarp = blockIdx.x * kReceiveWarps + warp - send_warps, nrwarps = gridDim.x * kReceiveWarps;
+      const int rwarp = blockIdx.x * receive_warps + warp - send_warps, nrwarps = gridDim.x * receive_warps;
       for (int t = p.num_tokens + rwarp; t < L.max_tokens; t += nrwarps)  // this rank's padding rows
         place_row(p, static_cast<int64_t>(L.rank) * L.max_tokens + t, -1, 0.f, -1, true, dst, dst_s, lane);
     }
@@ -511,8 +513,8 @@ cudaError_t launch_dispatch_kernel(const DispatchParams& p, int num_blocks, cuda
   // launch that needs neither leaves the shared memory to L1
   const size_t recv = (p.phases & kPhaseReceive) ? dispatch_smem_bytes(p.c.lay.world, p.c.lay.num_local) : 0;
   const size_t stages = kQuant >= 0 && (p.phases & kPhaseSend) ? static_cast<size_t>(kWarps) * kQuantStageBytes : 0;
-  // receiving while sending: [world] token counts
-  const size_t tokens = kOverlap ? sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
+  // receiving while sending: [world] token counts, after the stages when quantising
+  const size_t tokens = kOverlap ? stages + sizeof(int) * static_cast<size_t>(p.c.lay.world) : 0;
   const size_t smem = std::max({recv, stages, tokens});
   if (smem > kDefaultDynamicSmemBytes) {  // beyond the default: opt in (Limit.MAX_EXPERTS keeps it within the SM's)
     const cudaError_t e = allow_dispatch_smem<kQuant, kIds64, kOverlap>(smem);
@@ -524,9 +526,9 @@ cudaError_t launch_dispatch_kernel(const DispatchParams& p, int num_blocks, cuda
 
 template <int kQuant, bool kIds64>
 cudaError_t launch_dispatch_as(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  // the host receives while sending with copied rows only (ops.h): only those have that kernel
-  if constexpr (kQuant < 0) {
-    if (p.receive_while_sending) return launch_dispatch_kernel<kQuant, kIds64, true>(p, num_blocks, stream);
+  // the host receives while sending with copied rows or fp8 from bf16 only (ops.h): only those have that kernel
+  if constexpr (kQuant < 0 || kQuant == kBf16) {
+    if (p.receive_warps > 0) return launch_dispatch_kernel<kQuant, kIds64, true>(p, num_blocks, stream);
   }
   return launch_dispatch_kernel<kQuant, kIds64, false>(p, num_blocks, stream);
 }

@@ -94,7 +94,7 @@ struct DispatchParams {
   int32_t* dest;                // [T, k] destination ranks of each own token (-1 padded)
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
   bool checked;                 // kPhaseChecked: an input verdict precedes the launch (protocol.h)
-  bool receive_while_sending;   // kReceiveWarps warps of each block receive while the others send
+  int receive_warps;            // > 0: that many warps of each block receive while the others send (Cfg.RECEIVE_WARPS)
 };
 
 struct CombineParams {

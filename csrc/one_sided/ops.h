@@ -134,14 +134,17 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   const RowShape r = row_shape(x, x_scales, cfg);
   set_dispatch_shape(p, r, T, cfg, work);
   // receive while sending where the receive is a copy of whole rows that can run beside the sends:
-  // the standard layout, copied, peers' memory mapped, one launch, and enough tokens that every warp
-  // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends).  Not
-  // while quantising: the quantiser is bound by instructions, and with 4 of 16 warps receiving an fp8
-  // dispatch of 4096 tokens at EP2 took 5 % longer (docs/performance.md)
-  const bool switched_on = cfg[kCfgReceiveWhileSending] != 0;  // $EP_COMM_RECEIVE_WHILE_SENDING
-  const bool copied_whole_rows = p.chunks == 1 && cfg[kCfgQuant] == kQuantNone;
+  // the standard layout, copied (or quantised to fp8 from bf16: the overlap kernel keeps its token counts
+  // after the quantiser's stages), peers' memory mapped, one launch, and enough tokens that every warp
+  // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends).  How
+  // many warps of each block receive is the config's (Cfg.RECEIVE_WARPS: by world size and quant, 0 where
+  // receiving while sending does not pay; ep_comm/backends/one_sided/layout.py)
+  const bool fp8_from_bf16 = cfg[kCfgQuant] == kQuantFp8 && x.scalar_type() == at::kBFloat16;
+  const bool whole_rows = p.chunks == 1 && (cfg[kCfgQuant] == kQuantNone || fp8_from_bf16);
   const bool one_launch_mapped = p.phases == kPhaseBoth && L.put == 0 && !L.batched && !L.zero_copy;
-  p.receive_while_sending = switched_on && copied_whole_rows && one_launch_mapped && L.world > 1;
+  const int64_t receive_warps = cfg[kCfgReceiveWarps];
+  TORCH_CHECK(receive_warps >= 0 && receive_warps < kWarps, "ep_comm: Cfg.RECEIVE_WARPS out of range");
+  p.receive_warps = whole_rows && one_launch_mapped && L.world > 1 ? static_cast<int>(receive_warps) : 0;
   const auto opts = x.options();
   at::Tensor out_x, out_s;
   if (L.batched) {

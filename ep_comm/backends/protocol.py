@@ -109,7 +109,8 @@ class Cfg(enum.IntEnum):
     ZERO_COPY = 33  # 1 (standard layout): output rows are the receive buffer's rows of dispatch half 0
     COMBINE_PULL_INPUT = 34  # 0: combine pushes partials; else this rank's address of its expert rows
     ACTIVE_PTR = 35  # 0: every rank takes part; else device int32 [world], 1 for the ranks still in (shrink)
-    RECEIVE_WHILE_SENDING = 36  # 1: a dispatch may lay peers' rows out while it sends (ops.h decides per call)
+    RECEIVE_WARPS = 36  # n > 0: a dispatch may lay peers' rows out on n warps of a block while the others send
+    # (ops.h decides per call whether it can); 0: every warp sends first
     LEN = 37
 
 
@@ -181,9 +182,6 @@ class Limit:
     GROUP_TOKENS = 32  # prefill combines signal per group of this many tokens
     ROW_HEADER_BYTES = 16  # RowHeader at the head of every dispatch row
     SEQ_BITS = 30  # call numbers wrap modulo 2**SEQ_BITS in a flag code
-    # receive while sending (dispatch_receive.cuh): the warps of a block that lay rows out from the start;
-    # 4 of 16 was the fastest split in bench/microbench/overlap_recv.cu at 24 SMs (10 and 14 slower)
-    RECEIVE_WARPS = 4
 
 
 # enum -> C++ prefix of its names (Cfg.ROW_STRIDE -> kCfgRowStride) and the underlying type

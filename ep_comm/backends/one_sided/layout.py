@@ -29,10 +29,19 @@ COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 # (docs/performance.md).  "0" / "1" force it.
 COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
 PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
-# "0" keeps every warp of a dispatch on its sends; unset or "1": the standard layout's copied rows are
-# laid out while the dispatch still sends, at sizes where every warp sends whole rows (the extension
-# decides per call; docs/design.md).  Each rank's own choice: the ranks need not agree.
+# "0" keeps every warp of a dispatch on its sends; unset or "1": the standard layout's rows (copied, or
+# quantised to fp8 from EP4 on) are laid out while the dispatch still sends, at sizes where every warp
+# sends whole rows (the extension decides per call; docs/design.md).  Each rank's own choice: the ranks
+# need not agree.
 RECEIVE_WHILE_SENDING_ENV = "EP_COMM_RECEIVE_WHILE_SENDING"
+# receiving while sending, the warps of each 16-warp block that lay rows out from the start, the rest
+# sending first.  At EP2 a token sends one remote row and the SMs bound the sends (12 sending warps: 199
+# µs at 4096 tokens, 16: 173): 4 receive.  From EP4 a token sends about 3 rows, the link bounds the sends
+# and half the warps lay out nearly every row before they end (docs/performance.md).  $EP_COMM_RECEIVE_WARPS
+# (1-15) sets the count for every dispatch that can receive while sending, fp8 at EP2 included.
+RECEIVE_WARPS_ONE_PEER = 4
+RECEIVE_WARPS_MANY_PEERS = 8
+RECEIVE_WARPS_ENV = "EP_COMM_RECEIVE_WARPS"
 
 DTYPE_CODES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 QUANT_CODES = {None: Quant.NONE, "fp8": Quant.FP8, "nvfp4": Quant.NVFP4}
@@ -146,19 +155,48 @@ def _check_on_off(forced: Optional[str]) -> None:
         raise ValueError("expected 0 or 1")
 
 
+def _check_receive_warps(value: Optional[str]) -> None:
+    if value:
+        try:
+            ok = 0 < int(value) < Limit.THREADS // 32
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"expected 1 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
+
+
 def check_environment() -> None:
     """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL,
-    $EP_COMM_NUM_SMS or $EP_COMM_RECEIVE_WHILE_SENDING, raised before any backend is made: under
-    ``backend="auto"`` it must not pass for a backend that cannot start."""
+    $EP_COMM_NUM_SMS, $EP_COMM_RECEIVE_WHILE_SENDING or $EP_COMM_RECEIVE_WARPS, raised before any backend
+    is made: under ``backend="auto"`` it must not pass for a backend that cannot start."""
     checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
               (COMBINE_PULL_ENV, _check_on_off), (NUM_SMS_ENV, _check_num_sms),
-              (RECEIVE_WHILE_SENDING_ENV, _check_on_off))
+              (RECEIVE_WHILE_SENDING_ENV, _check_on_off), (RECEIVE_WARPS_ENV, _check_receive_warps))
     for name, check in checks:
         value = os.environ.get(name)
         try:
             check(value)
         except ValueError as exc:
             raise EPConfigError(f"${name}", value, str(exc)) from exc
+
+
+def receive_warps(cfg: EPConfig, world: int) -> int:
+    """``Cfg.RECEIVE_WARPS``: the warps of each block that lay peers' rows out while the others send, in
+    a dispatch the extension lets receive while sending; 0: every warp sends first.  Quantised: fp8 from
+    EP4 on (at EP2 the quantiser bounds the sends by instructions and lost 5 % with 4 warps receiving),
+    never NVFP4."""
+    if os.environ.get(RECEIVE_WHILE_SENDING_ENV) == "0" or world < 2 or cfg.quant == "nvfp4":
+        return 0
+    forced = os.environ.get(RECEIVE_WARPS_ENV)
+    if forced:
+        try:
+            _check_receive_warps(forced)
+        except ValueError as exc:
+            raise EPConfigError(f"${RECEIVE_WARPS_ENV}", forced, str(exc)) from exc
+        return int(forced)
+    if world == 2:
+        return RECEIVE_WARPS_ONE_PEER if cfg.quant is None else 0
+    return RECEIVE_WARPS_MANY_PEERS
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:
@@ -206,7 +244,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
     v[Cfg.STAGE_OFFSET], v[Cfg.STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[Cfg.STAGE_COUNTS_OFFSET] = layout.stage_counts_offset
     v[Cfg.ZERO_COPY] = int(cfg.zero_copy)
-    v[Cfg.RECEIVE_WHILE_SENDING] = int(os.environ.get(RECEIVE_WHILE_SENDING_ENV) != "0")
+    v[Cfg.RECEIVE_WARPS] = receive_warps(cfg, world)
     v[Cfg.TIMEOUT_NS] = int(cfg.timeout_s * 1e9)
     v[Cfg.PENDING_PTR] = pending_ptr
     v[Cfg.QUANT] = int(QUANT_CODES[cfg.quant])

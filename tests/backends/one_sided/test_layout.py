@@ -68,7 +68,6 @@ def test_combine_grouped_mode_from_the_environment():
 def test_the_table_keeps_its_own_invariants():
     """What the kernels assume of the shared numbers."""
     assert Stamp.SOURCE0 + 2 * Trace.SOURCES <= Stamp.END < Stamp.ROWS_BY_SENT < Stamp.WAITED_BY_SENT < Trace.SLOTS
-    assert 0 < Limit.RECEIVE_WARPS < Limit.THREADS // 32  # some warps send, some receive
     assert Phase.CHECKED & Phase.BOTH == 0 and Phase.SEND | Phase.RECEIVE == Phase.BOTH
     assert Status.EXPECTED_CODE < Status.RANK_REASON
     assert all(bin(r).count("1") == 1 for r in Reason)  # bits of one word
@@ -185,15 +184,50 @@ def test_a_malformed_pull_switch_is_a_config_error(monkeypatch):
 def test_receiving_while_sending_is_on_unless_switched_off(monkeypatch):
     cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=1024)
     lay = lay_mod.BufferLayout.for_config(cfg, 2)
-    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 1
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WARPS] == lay_mod.RECEIVE_WARPS_ONE_PEER
     monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "0")
-    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 0
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WARPS] == 0
+    monkeypatch.setenv(lay_mod.RECEIVE_WARPS_ENV, "6")  # a count does not switch it back on
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WARPS] == 0
     monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "1")
-    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WHILE_SENDING] == 1
+    assert lay_mod.config_vector(cfg, 0, 2, lay, 24, 0)[Cfg.RECEIVE_WARPS] == 6
     lay_mod.check_environment()
     monkeypatch.setenv(lay_mod.RECEIVE_WHILE_SENDING_ENV, "yes")
     with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_RECEIVE_WHILE_SENDING='yes'"):
         lay_mod.check_environment()
+
+
+def test_the_receiving_warps_follow_the_world_size_and_the_quantisation():
+    """Half the warps from EP4 on (the link bounds the sends), 4 at EP2 (the SMs do); fp8 only from EP4
+    on, NVFP4 never, a single rank never: the config's defaults, whatever the extension then allows."""
+    bf16 = ep_comm.EPConfig(num_experts=64, top_k=8, hidden=128, max_tokens_per_rank=4096)
+    fp8, nvfp4 = bf16.replace(quant="fp8"), bf16.replace(quant="nvfp4")
+    warps = Limit.THREADS // 32
+    assert 0 < lay_mod.RECEIVE_WARPS_ONE_PEER < lay_mod.RECEIVE_WARPS_MANY_PEERS < warps  # some warps send
+    assert lay_mod.receive_warps(bf16, 1) == 0
+    assert lay_mod.receive_warps(bf16, 2) == lay_mod.RECEIVE_WARPS_ONE_PEER
+    assert [lay_mod.receive_warps(bf16, w) for w in (3, 4, 8, 64)] == [lay_mod.RECEIVE_WARPS_MANY_PEERS] * 4
+    assert lay_mod.receive_warps(fp8, 2) == 0
+    assert lay_mod.receive_warps(fp8, 4) == lay_mod.RECEIVE_WARPS_MANY_PEERS
+    assert lay_mod.receive_warps(nvfp4, 2) == lay_mod.receive_warps(nvfp4, 8) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "16", "-1", "half"])
+def test_a_malformed_receiving_warp_count_is_a_config_error(monkeypatch, value):
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=64, max_tokens_per_rank=1024)
+    monkeypatch.setenv(lay_mod.RECEIVE_WARPS_ENV, value)
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_RECEIVE_WARPS="):
+        lay_mod.check_environment()
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_RECEIVE_WARPS="):
+        lay_mod.receive_warps(cfg, 2)
+
+
+def test_a_receiving_warp_count_reaches_fp8_at_ep2_and_leaves_nvfp4_alone(monkeypatch):
+    monkeypatch.setenv(lay_mod.RECEIVE_WARPS_ENV, "15")
+    cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=128, max_tokens_per_rank=1024)
+    assert lay_mod.receive_warps(cfg.replace(quant="fp8"), 2) == 15
+    assert lay_mod.receive_warps(cfg.replace(quant="nvfp4"), 2) == 0
+    lay_mod.check_environment()
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
