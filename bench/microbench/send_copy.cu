@@ -1,9 +1,9 @@
 // Can the SMs of a prefill dispatch lay received rows out while they send rows to peer GPUs, and do
 // TMA bulk sends leave the SMs' memory pipes free for that copy?
 //
-// The copied standard dispatch receives while it sends: 4 of each block's 16 warps copy the peers'
-// rows into the output while 12 send, and the copy that is left when the sends end adds to the
-// dispatch's time (docs/performance.md).  This program takes the protocol out: GPU 0 sends `rows` rows
+// The copied standard dispatch receives while it sends: some of each block's 16 warps copy the peers'
+// rows into the output while the others send (4 and 12 here), and the copy that is left when the sends
+// end adds to the dispatch's time (docs/performance.md).  This program takes the protocol out: GPU 0 sends `rows` rows
 // of 14,336 bytes, each to `fan` of the other GPUs (row r to peers r, r + 1, ... modulo their count),
 // while its other warps copy rows x fan local rows (what it would receive), and times
 //

@@ -36,10 +36,11 @@ PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
 RECEIVE_WHILE_SENDING_ENV = "EP_COMM_RECEIVE_WHILE_SENDING"
 # receiving while sending, the warps of each 16-warp block that lay rows out from the start, the rest
 # sending first.  At EP2 a token sends one remote row and the SMs bound the sends (12 sending warps: 199
-# µs at 4096 tokens, 16: 173): 4 receive.  From EP4 a token sends about 3 rows, the link bounds the sends
-# and half the warps lay out nearly every row before they end (docs/performance.md).  $EP_COMM_RECEIVE_WARPS
-# (1-15) sets the count for every dispatch that can receive while sending, fp8 at EP2 included.
-RECEIVE_WARPS_ONE_PEER = 4
+# µs at 4096 tokens, 16: 173): 5 receive (2-8 measured, 5 the fastest).  From EP4 a token sends about 3
+# rows, the link bounds the sends, and with half the warps receiving nearly every row is laid out when
+# they end (4-12 measured, 8 the fastest; docs/performance.md).  $EP_COMM_RECEIVE_WARPS (1-15) sets the
+# count for every dispatch that can receive while sending, fp8 at EP2 included.
+RECEIVE_WARPS_ONE_PEER = 5
 RECEIVE_WARPS_MANY_PEERS = 8
 RECEIVE_WARPS_ENV = "EP_COMM_RECEIVE_WARPS"
 
