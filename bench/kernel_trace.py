@@ -35,9 +35,9 @@ from ep_comm.cli.launcher import _SPAWNED_ENV, align_devices, gather_objects, ho
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local  # noqa: E402
 
 
-def _phases(stamps: torch.Tensor, op: int, world: int, receive_warps: int) -> dict[str, float]:
+def _phases(stamps: torch.Tensor, op: int, world: int, receiving_warps: int) -> dict[str, float]:
     """µs from the first block's start to each phase (max over the blocks that stamped it);
-    ``receive_warps``: per block, the warps that received while the others sent."""
+    ``receiving_warps``: per block, the warps that received while the others sent."""
     blocks = stamps.view(2, -1, Trace.SLOTS)[op].double()
     t0 = blocks[:, Stamp.START].min()
     names = {Stamp.SENT: "sent", Stamp.ARRIVED: "arrived", Stamp.SIGNALLED: "signalled", Stamp.END: "end"}
@@ -58,7 +58,7 @@ def _phases(stamps: torch.Tensor, op: int, world: int, receive_warps: int) -> di
             out[name] = float((col.max() - t0) / 1e3)
     if op == Trace.DISPATCH and (blocks[:, Stamp.ROWS_BY_SENT] > 0).any():  # receiving while sending
         out["rows by sent"] = float(blocks[:, Stamp.ROWS_BY_SENT].sum())
-        warps = blocks.shape[0] * receive_warps
+        warps = blocks.shape[0] * receiving_warps
         out["wait/warp by sent"] = float(blocks[:, Stamp.WAITED_BY_SENT].sum() / warps / 1e3)
     return out
 
@@ -100,6 +100,7 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
     torch.cuda.synchronize()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     rows: dict[str, list] = {"dispatch": [], "combine": []}
+    receiving = receive_warps(cfg, env.world_size)  # per block, while the others send
     for it in range(args.warmup + args.iters):
         host_barrier(env, hide_launch=True)  # like the bench: replays launched while the GPU is busy
         ev[0].record()
@@ -114,7 +115,7 @@ def _one_shape(env, args, layout: str, tokens: int) -> dict:
             continue
         stamps = kernels.trace.cpu()
         for name, op, (a, b) in (("dispatch", Trace.DISPATCH, (0, 1)), ("combine", Trace.COMBINE, (2, 3))):
-            ph = _phases(stamps, op, env.world_size, receive_warps(cfg, env.world_size))
+            ph = _phases(stamps, op, env.world_size, receiving)
             ph["event"] = ev[a].elapsed_time(ev[b]) * 1e3
             rows[name].append(ph)
     comm.check_errors()

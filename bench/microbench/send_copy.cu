@@ -3,9 +3,10 @@
 //
 // The copied standard dispatch receives while it sends: some of each block's 16 warps copy the peers'
 // rows into the output while the others send (4 and 12 here), and the copy that is left when the sends
-// end adds to the dispatch's time (docs/performance.md).  This program takes the protocol out: GPU 0 sends `rows` rows
-// of 14,336 bytes, each to `fan` of the other GPUs (row r to peers r, r + 1, ... modulo their count),
-// while its other warps copy rows x fan local rows (what it would receive), and times
+// end adds to the dispatch's time (docs/performance.md).  This program takes the protocol out: GPU 0
+// sends `rows` rows of 14,336 bytes, each to `fan` of the other GPUs (row r to peers r, r + 1, ...
+// modulo their count), while its other warps copy rows x fan local rows (what it would receive), and
+// times
 //
 //   send          every warp sends (16-byte warp stores, or TMA: one lane per warp loads a piece into
 //                 shared memory and bulk-stores it to each destination)

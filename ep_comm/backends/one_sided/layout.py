@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -132,11 +132,7 @@ class BufferLayout:
 def backend_layout(cfg: EPConfig, world: int, put_mode: bool = False) -> BufferLayout:
     """The layout a kernel backend allocates, $EP_COMM_COMBINE_PULL read here (a setting the
     communicator checked: the same, and well formed, on every rank)."""
-    forced = os.environ.get(COMBINE_PULL_ENV)
-    try:
-        return BufferLayout.for_config(cfg, world, put_mode, pull_env=forced)
-    except ValueError as exc:
-        raise EPConfigError(f"${COMBINE_PULL_ENV}", forced, str(exc)) from exc
+    return BufferLayout.for_config(cfg, world, put_mode, pull_env=_checked_env(COMBINE_PULL_ENV, _check_on_off))
 
 
 def _pulls(cfg: EPConfig, put_mode: bool, combine_stride: int, forced: Optional[str]) -> bool:
@@ -166,6 +162,16 @@ def _check_receive_warps(value: Optional[str]) -> None:
             raise ValueError(f"expected 1 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
 
 
+def _checked_env(name: str, check: Callable[[Optional[str]], object]) -> Optional[str]:
+    """$name, or ``EPConfigError`` naming it where ``check`` rejects its value (``ValueError``)."""
+    value = os.environ.get(name)
+    try:
+        check(value)
+    except ValueError as exc:
+        raise EPConfigError(f"${name}", value, str(exc)) from exc
+    return value
+
+
 def check_environment() -> None:
     """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL,
     $EP_COMM_NUM_SMS, $EP_COMM_RECEIVE_WHILE_SENDING or $EP_COMM_RECEIVE_WARPS, raised before any backend
@@ -174,11 +180,7 @@ def check_environment() -> None:
               (COMBINE_PULL_ENV, _check_on_off), (NUM_SMS_ENV, _check_num_sms),
               (RECEIVE_WHILE_SENDING_ENV, _check_on_off), (RECEIVE_WARPS_ENV, _check_receive_warps))
     for name, check in checks:
-        value = os.environ.get(name)
-        try:
-            check(value)
-        except ValueError as exc:
-            raise EPConfigError(f"${name}", value, str(exc)) from exc
+        _checked_env(name, check)
 
 
 def receive_warps(cfg: EPConfig, world: int) -> int:
@@ -188,12 +190,8 @@ def receive_warps(cfg: EPConfig, world: int) -> int:
     never NVFP4."""
     if os.environ.get(RECEIVE_WHILE_SENDING_ENV) == "0" or world < 2 or cfg.quant == "nvfp4":
         return 0
-    forced = os.environ.get(RECEIVE_WARPS_ENV)
+    forced = _checked_env(RECEIVE_WARPS_ENV, _check_receive_warps)
     if forced:
-        try:
-            _check_receive_warps(forced)
-        except ValueError as exc:
-            raise EPConfigError(f"${RECEIVE_WARPS_ENV}", forced, str(exc)) from exc
         return int(forced)
     if world == 2:
         return RECEIVE_WARPS_ONE_PEER if cfg.quant is None else 0

@@ -198,7 +198,7 @@ def test_receiving_while_sending_is_on_unless_switched_off(monkeypatch):
 
 
 def test_the_receiving_warps_follow_the_world_size_and_the_quantisation():
-    """Half the warps from EP4 on (the link bounds the sends), 4 at EP2 (the SMs do); fp8 only from EP4
+    """Half the warps from EP4 on (the link bounds the sends), 5 at EP2 (the SMs do); fp8 only from EP4
     on, NVFP4 never, a single rank never: the config's defaults, whatever the extension then allows."""
     bf16 = ep_comm.EPConfig(num_experts=64, top_k=8, hidden=128, max_tokens_per_rank=4096)
     fp8, nvfp4 = bf16.replace(quant="fp8"), bf16.replace(quant="nvfp4")
