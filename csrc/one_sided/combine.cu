@@ -1,5 +1,6 @@
 // One-sided combine: one launch per call (send partials, signal, wait, sum), or two with a receive hook;
-// prefill sizes of the standard layout run grouped (per-group flags, sums interleaved with sends).
+// prefill sizes of the standard layout run grouped (per-group flags, sums while the sends run: on warps
+// of their own, or in turn with the sends).
 #include <type_traits>
 
 #include "one_sided/kernel_common.cuh"
@@ -315,13 +316,91 @@ __device__ __forceinline__ WorkQueue combine_grouped(const CombineParams& p, con
   return work;
 }
 
+// Grouped combine by warps (p.sum_warps > 0, both phases): the block's first warps only send units
+// from the queue, in order, and flag each group; its last p.sum_warps warps only sum own groups, each
+// once every peer has flagged it.  Sends never wait for sums, so the link is fed while the sums run.
+// The send warps meet at named barrier 2, the summing warps at 3 (grid_arrive takes 1).  Deadlock
+// freedom: summing warps wait only for peers' send warps, which wait for nothing but the queue.
+template <typename Tin, typename Tout, bool kPrefetch>
+__device__ __forceinline__ WorkQueue grouped_sends_by_warps(const CombineParams& p, const Tin* eo, uint32_t code,
+                                                            int parity, uint64_t deadline, const ErrorSink& err,
+                                                            const Tin** src_rows, float* w, int lane, int warp) {
+  const Layout& L = p.c.lay;
+  const int peers = L.world - 1;
+  const int send_units = peers * L.max_groups;
+  const int send_warps = kWarps - p.sum_warps;
+  const auto sync_senders = [send_warps] { asm volatile("bar.sync 2, %0;" ::"r"(send_warps * kWarpSize) : "memory"); };
+  const WorkQueue work{p.c.counters + kStateCombineWork, code, static_cast<int64_t>(gridDim.x), send_units};
+  open_work(work);
+  __shared__ int s_unit[2];  // by iteration parity: the draw ahead of a unit writes while others read
+  for (int u = blockIdx.x, it = 0; u < send_units; ++it) {
+    // the next unit is drawn by the last send warp before this unit's sends, away from the end of the
+    // queue; near it, once the warp's share is sent (a block that drains slowly holds no unit a faster
+    // one could have taken)
+    const bool ahead = u + 2 * static_cast<int>(work.first) < send_units;
+    const auto draw = [&] {
+      const int64_t next = next_work(work, lane, deadline, err);
+      if (lane == 0) s_unit[it & 1] = static_cast<int>(next);
+    };
+    if (ahead && warp == send_warps - 1) draw();
+    const int src = (L.rank + 1 + u % peers) % L.world;
+    const int t0 = (u / peers) * kGroupTokens;
+    const int rows = peer_active(L, src) ? min(kGroupTokens, L.max_tokens - t0) : 0;
+    for (int item = warp; item < rows * p.chunks; item += send_warps)
+      send_partial_piece<Tin, Tout, kPrefetch>(p, eo, src, t0 + item / p.chunks, item % p.chunks, parity, src_rows,
+                                               w, lane);
+    if (!ahead && warp == send_warps - 1) draw();
+    sync_senders();
+    if (threadIdx.x == 0 && rows > 0) {
+      __threadfence_system();  // the block's partials land before the group's flag
+      st_release_sys(group_flag(p.c, src, parity, L.rank, u / peers), code);
+    }
+    u = s_unit[it & 1];
+  }
+  return work;
+}
+
+// The summing warps of grouped_sends_by_warps' blocks: own group g in block g mod grid, its rows shared
+// by the block's p.sum_warps warps.
+template <typename Tin, typename Tout, bool kPrefetch>
+__device__ __forceinline__ void grouped_sums_by_warps(const CombineParams& p, const Tin* eo, uint32_t code, int parity,
+                                                      uint64_t deadline, const ErrorSink& err, const Tin** src_rows,
+                                                      float* w, const Tout** parts, int lane, int warp) {
+  const Layout& L = p.c.lay;
+  const int send_warps = kWarps - p.sum_warps;
+  const int sum_warp = warp - send_warps;
+  const int first_thread = send_warps * kWarpSize;
+  const auto sync_summers = [&p] { asm volatile("bar.sync 3, %0;" ::"r"(p.sum_warps * kWarpSize) : "memory"); };
+  const int own_groups = (p.num_tokens + kGroupTokens - 1) / kGroupTokens;
+  const uint8_t* region = peer_ptr(p.c, L.rank) + L.combine_offset[parity];
+  __shared__ int s_sum_ok;
+  for (int g = blockIdx.x; g < own_groups; g += gridDim.x) {
+    if (static_cast<int>(threadIdx.x) == first_thread) {
+      bool ok = true;
+      for (int i = 1; i < L.world; ++i) {
+        const int src = (L.rank + i) % L.world;
+        if (peer_active(L, src)) ok = wait_group_flag(p.c, parity, src, g, code, deadline, err) && ok;
+      }
+      s_sum_ok = ok;
+    }
+    sync_summers();
+    const int t0 = g * kGroupTokens;
+    const int rows = min(kGroupTokens, p.num_tokens - t0);
+    // after a failed wait the call's result is void (the error record says why): skip the reads
+    for (int item = sum_warp; s_sum_ok && item < rows * p.chunks; item += p.sum_warps)
+      sum_output_piece<Tin, Tout, kPrefetch>(p, eo, region, t0 + item / p.chunks, item % p.chunks, src_rows, w,
+                                             parts, lane);
+    sync_summers();  // every warp has read s_sum_ok before the next group's wait writes it
+  }
+}
+
 // The last block of a combine's send half to arrive: no later call may take this call's queue tickets,
 // the peers get the call's flag, and the next call number is published (every block has arrived, so
-// every block has read this one's).
+// every block has read this one's).  ``threads`` > 0: only the block's first ``threads`` threads are here.
 __device__ __forceinline__ void close_combine_sends(const CombineParams& p, const WorkQueue& work, uint64_t seq,
-                                                    uint32_t code, int parity) {
+                                                    uint32_t code, int parity, int threads = 0) {
   close_work(work);
-  signal_all(p.c, parity, code);
+  signal_all(p.c, parity, code, threads);
   stamp(p.c.lay, kTraceCombine, kTrSignalled);
   if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(p.c.counters + kStateSeq) = seq + 1;
 }
@@ -482,6 +561,42 @@ __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const Comb
   stamp(L, kTraceCombine, kTrEnd, true);
 }
 
+// The grouped combine by warps (p.sum_warps > 0) in a kernel of its own, so that the interleaved
+// form's code and registers stay as they are.
+template <typename Tin, typename Tout, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, 1) combine_grouped_warps_kernel(const CombineParams p) {
+  const Layout& L = p.c.lay;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const ErrorSink err{p.c.status, L.pending, L.world};
+  const auto [seq, code, parity] = current_call(p.c, kOpCombine, p.phases);
+  stamp(L, kTraceCombine, kTrStart);
+
+  __shared__ const Tin* s_src[kWarps][kMaxTopK];
+  __shared__ float s_w[kWarps][kMaxTopK];
+  __shared__ const Tout* s_part[kWarps][kMaxTopK];
+  const Tin* eo = static_cast<const Tin*>(p.expert_out);
+  __syncthreads();  // every warp has read the call number before its block can arrive and publish the next
+  const int send_threads = (kWarps - p.sum_warps) * kWarpSize;
+  if (static_cast<int>(threadIdx.x) < send_threads) {
+    const WorkQueue work = grouped_sends_by_warps<Tin, Tout, kPrefetch>(p, eo, code, parity, deadline, err,
+                                                                        s_src[warp], s_w[warp], lane, warp);
+    stamp(L, kTraceCombine, kTrSent);
+    const Arrival a = grid_arrive(p.c.counters + kStateArrive, /*wait=*/false, deadline, err, send_threads);
+    if (a.last) close_combine_sends(p, work, seq, code, parity, send_threads);
+  } else {
+    grouped_sums_by_warps<Tin, Tout, kPrefetch>(p, eo, code, parity, deadline, err, s_src[warp], s_w[warp],
+                                                s_part[warp], lane, warp);
+  }
+  // a rank without tokens waited for no group: it still ends only once every peer has sent this combine
+  // (combine_grouped_kernel says why)
+  if (p.num_tokens == 0 && blockIdx.x == 0)
+    for (int i = threadIdx.x; i < L.world; i += blockDim.x)
+      if (i != L.rank && peer_active(L, i)) wait_flag(flag_slot(p.c, L.rank, parity, i), code, i, deadline, err);
+  stamp(L, kTraceCombine, kTrEnd, true);
+}
+
 // Whether a combine takes the grouped protocol: prefill-sized, with peers, pushed by stores (a pulling
 // combine reads in place; put mode signals once per call).
 bool combine_is_grouped(const CombineParams& p) {
@@ -506,7 +621,8 @@ cudaError_t launch_combine(const CombineParams& p, int in_dtype, int out_dtype, 
   const bool grouped = combine_is_grouped(p);
 #define EP_COMBINE_WITH(Tin, Tout, P)                                                           \
   do {                                                                                          \
-    if (grouped) combine_grouped_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p);           \
+    if (grouped && p.sum_warps > 0) combine_grouped_warps_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p); \
+    else if (grouped) combine_grouped_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p);      \
     else combine_kernel<Tin, Tout, P><<<grid, block, 0, stream>>>(p);                           \
   } while (0)
 #define EP_COMBINE_AS(Tin, Tout)                                                                \

@@ -109,6 +109,7 @@ struct CombineParams {
   int chunk_elems;     // elements per piece (a multiple of 256 unless chunks == 1)
   int grouped;         // signal and sum per group of kGroupTokens tokens (prefill sizes, both phases):
                        // 0 off, 1 interleaved in every block, n >= 2 split: n - 1 sending blocks
+  int sum_warps;       // > 0 (grouped 1, both phases): that many warps of each block only sum, the others send
   int phases;          // kPhaseSend | kPhaseReceive (protocol.h)
   int pull;            // expert_out is combine half 0 and peers read it in place (kCfgCombinePullInput)
   void* out;  // [T, hidden] of the transport dtype

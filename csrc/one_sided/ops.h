@@ -230,6 +230,11 @@ inline void kernel_combine(const at::Tensor& expert_out, const at::Tensor& row_i
   p.grouped = static_cast<int>(cfg[kCfgCombineGrouped]);
   TORCH_CHECK(phases >= kPhaseSend && phases <= kPhaseBoth, "ep_comm: bad combine phases ", phases);
   p.phases = static_cast<int>(phases);
+  // the interleaved grouped combine's summing warps (Cfg.COMBINE_SUM_WARPS, layout.py); a hooked call
+  // splits by halves instead (its send half only sends, its receive half only sums)
+  const int64_t sum_warps = cfg[kCfgCombineSumWarps];
+  TORCH_CHECK(sum_warps >= 0 && sum_warps < kWarps, "ep_comm: Cfg.COMBINE_SUM_WARPS out of range");
+  p.sum_warps = p.grouped == 1 && p.phases == kPhaseBoth && !p.pull ? static_cast<int>(sum_warps) : 0;
   EP_CUDA_CHECK(launch_combine(p, dtype_code(eo.scalar_type()), static_cast<int>(cfg[kCfgOutDtype]),
                                       static_cast<int>(cfg[kCfgNumBlocks]), c10::cuda::getCurrentCUDAStream()));
 }

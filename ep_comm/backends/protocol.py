@@ -111,7 +111,8 @@ class Cfg(enum.IntEnum):
     ACTIVE_PTR = 35  # 0: every rank takes part; else device int32 [world], 1 for the ranks still in (shrink)
     RECEIVE_WARPS = 36  # n > 0: a dispatch may lay peers' rows out on n warps of a block while the others send
     # (ops.h decides per call whether it can); 0: every warp sends first
-    LEN = 37
+    COMBINE_SUM_WARPS = 37  # n > 0 (COMBINE_GROUPED 1): n warps of a block only sum own groups, the others send
+    LEN = 38
 
 
 @enum.unique

@@ -43,6 +43,12 @@ RECEIVE_WHILE_SENDING_ENV = "EP_COMM_RECEIVE_WHILE_SENDING"
 RECEIVE_WARPS_ONE_PEER = 5
 RECEIVE_WARPS_MANY_PEERS = 8
 RECEIVE_WARPS_ENV = "EP_COMM_RECEIVE_WARPS"
+# the interleaved grouped combine (mode 1), the warps of each block that only sum own groups as their
+# partials land, the rest only sending: the sends then never pause for a sum.  At EP4 4096 tokens 8 took
+# 560 µs against 613 with every warp sending and summing in turn (4, 6, 10 and 12 measured, slower;
+# docs/performance.md).  $EP_COMM_COMBINE_SUM_WARPS (0-15) sets it; 0 is the in-turn form.
+SUM_WARPS = 8
+SUM_WARPS_ENV = "EP_COMM_COMBINE_SUM_WARPS"
 
 DTYPE_CODES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 QUANT_CODES = {None: Quant.NONE, "fp8": Quant.FP8, "nvfp4": Quant.NVFP4}
@@ -162,6 +168,16 @@ def _check_receive_warps(value: Optional[str]) -> None:
             raise ValueError(f"expected 1 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
 
 
+def _check_sum_warps(value: Optional[str]) -> None:
+    if value:
+        try:
+            ok = 0 <= int(value) < Limit.THREADS // 32
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"expected 0 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
+
+
 def _checked_env(name: str, check: Callable[[Optional[str]], object]) -> Optional[str]:
     """$name, or ``EPConfigError`` naming it where ``check`` rejects its value (``ValueError``)."""
     value = os.environ.get(name)
@@ -174,11 +190,13 @@ def _checked_env(name: str, check: Callable[[Optional[str]], object]) -> Optiona
 
 def check_environment() -> None:
     """``EPConfigError`` for a malformed $EP_COMM_COMBINE_GROUPED, $EP_COMM_COMBINE_PULL,
-    $EP_COMM_NUM_SMS, $EP_COMM_RECEIVE_WHILE_SENDING or $EP_COMM_RECEIVE_WARPS, raised before any backend
-    is made: under ``backend="auto"`` it must not pass for a backend that cannot start."""
+    $EP_COMM_NUM_SMS, $EP_COMM_RECEIVE_WHILE_SENDING, $EP_COMM_RECEIVE_WARPS or $EP_COMM_COMBINE_SUM_WARPS,
+    raised before any backend is made: under ``backend="auto"`` it must not pass for a backend that cannot
+    start."""
     checks = ((COMBINE_GROUPED_ENV, lambda v: combine_grouped_mode(v, "0", 24)),
               (COMBINE_PULL_ENV, _check_on_off), (NUM_SMS_ENV, _check_num_sms),
-              (RECEIVE_WHILE_SENDING_ENV, _check_on_off), (RECEIVE_WARPS_ENV, _check_receive_warps))
+              (RECEIVE_WHILE_SENDING_ENV, _check_on_off), (RECEIVE_WARPS_ENV, _check_receive_warps),
+              (SUM_WARPS_ENV, _check_sum_warps))
     for name, check in checks:
         _checked_env(name, check)
 
@@ -196,6 +214,15 @@ def receive_warps(cfg: EPConfig, world: int) -> int:
     if world == 2:
         return RECEIVE_WARPS_ONE_PEER if cfg.quant is None else 0
     return RECEIVE_WARPS_MANY_PEERS
+
+
+def combine_sum_warps(grouped_mode: int) -> int:
+    """``Cfg.COMBINE_SUM_WARPS``: in the interleaved grouped combine (``grouped_mode`` 1), the warps of
+    each block that only sum own groups while the others only send; 0 for every other mode."""
+    if grouped_mode != 1:
+        return 0
+    forced = _checked_env(SUM_WARPS_ENV, _check_sum_warps)
+    return int(forced) if forced else SUM_WARPS
 
 
 def default_combine_grouping(cfg: EPConfig, world: int) -> str:
@@ -239,6 +266,7 @@ def config_vector(cfg: EPConfig, rank: int, world: int, layout: BufferLayout, nu
                                 num_blocks)
     # put mode signals once per call (no per-group signals)
     v[Cfg.COMBINE_GROUPED] = mode if world > 1 and not layout.put_mode else 0
+    v[Cfg.COMBINE_SUM_WARPS] = combine_sum_warps(v[Cfg.COMBINE_GROUPED])
     v[Cfg.PUT_MODE] = int(layout.put_mode)
     v[Cfg.STAGE_OFFSET], v[Cfg.STAGE_COMBINE_OFFSET] = layout.stage_offset, layout.stage_combine_offset
     v[Cfg.STAGE_COUNTS_OFFSET] = layout.stage_counts_offset

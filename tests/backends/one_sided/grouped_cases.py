@@ -4,8 +4,9 @@ one communicator per (mode, layout, payload), each checked against the oracle.  
 rank of a spawned world (tests/backends/cases.py: ``init_rank``)."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import ep_comm
 from ep_comm.backends.one_sided import layout as lay_mod
@@ -14,10 +15,25 @@ from ep_comm.backends.protocol import Cfg
 from .. import cases
 
 
+@contextlib.contextmanager
+def grouped_env(key: str) -> Iterator[str]:
+    """$EP_COMM_COMBINE_GROUPED and, after a space in ``key``, $EP_COMM_COMBINE_SUM_WARPS ("1 0": the
+    interleaved combine with every warp sending and summing in turn) for the block; yields the former."""
+    grouped, _, sum_warps = key.partition(" ")
+    os.environ[lay_mod.COMBINE_GROUPED_ENV] = grouped
+    if sum_warps:
+        os.environ[lay_mod.SUM_WARPS_ENV] = sum_warps
+    try:
+        yield grouped
+    finally:
+        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
+        os.environ.pop(lay_mod.SUM_WARPS_ENV, None)
+
+
 def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: int, hooks: str = "none",
                           layouts: tuple = ("standard", "batched"), num_sms: Optional[int] = None,
                           hidden: int = cases.HIDDEN) -> dict:
-    """``modes``: $EP_COMM_COMBINE_GROUPED value -> case name; ``hooks``: "none", "all" (every rank splits
+    """``modes``: ``grouped_env`` key -> case name; ``hooks``: "none", "all" (every rank splits
     its calls with receive hooks) or "even" (the even ranks only); ``num_sms``: EPConfig.num_sms;
     ``hidden``: EPConfig.hidden.  Keys
     ``mode/layout/payload/scenario``; ``mode/layout/payload/switched_on`` instead when the mode did not
@@ -26,16 +42,17 @@ def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: i
     world, rank = topo.world_size, topo.rank
     hooked = hooks == "all" or (hooks == "even" and rank % 2 == 0)
     out: dict = {}
-    for env, mode in modes.items():
-        os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-        try:
+    for key, mode in modes.items():
+        with grouped_env(key) as env:
             for layout in layouts:
                 for payload in payloads:
                     cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=max_tokens,
                                          num_sms=num_sms, hidden=hidden)
                     with ep_comm.Communicator(cfg, device=device) as comm:
                         want = lay_mod.combine_grouped_mode(env, "0", comm.num_sms)
-                        if comm._impl.kernels.cfg[Cfg.COMBINE_GROUPED] != want or want < 1:
+                        got = comm._impl.kernels.cfg
+                        if got[Cfg.COMBINE_GROUPED] != want or want < 1 or \
+                                got[Cfg.COMBINE_SUM_WARPS] != lay_mod.combine_sum_warps(want):
                             out[f"{mode}/{layout}/{payload}/switched_on"] = [f"grouped mode {want} not switched on"]
                             continue
                         for _ in range(2):
@@ -44,6 +61,4 @@ def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: i
                                 key = f"{mode}/{layout}/{payload}/{name}"
                                 out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload,
                                                                              spec, hooks=hooked)
-        finally:
-            del os.environ[lay_mod.COMBINE_GROUPED_ENV]
     return out

@@ -230,6 +230,34 @@ def test_a_receiving_warp_count_reaches_fp8_at_ep2_and_leaves_nvfp4_alone(monkey
     lay_mod.check_environment()
 
 
+def test_the_interleaved_grouped_combine_sums_on_warps_of_its_own(monkeypatch):
+    """Interleaved (mode 1): SUM_WARPS of each block's warps sum, the rest send; $EP_COMM_COMBINE_SUM_WARPS
+    sets the count, 0 the in-turn form; every other mode (off, split) carries 0."""
+    cfg = ep_comm.EPConfig(num_experts=16, top_k=4, hidden=128, max_tokens_per_rank=lay_mod.GROUPED_MIN_TOKENS)
+    lay = lay_mod.BufferLayout.for_config(cfg, 4)
+    assert 0 < lay_mod.SUM_WARPS < Limit.THREADS // 32  # some warps send
+    vec = lay_mod.config_vector(cfg, 0, 4, lay, 24, 0)
+    assert (vec[Cfg.COMBINE_GROUPED], vec[Cfg.COMBINE_SUM_WARPS]) == (1, lay_mod.SUM_WARPS)
+    assert lay_mod.config_vector(cfg, 0, 2, lay_mod.BufferLayout.for_config(cfg, 2), 24, 0)[Cfg.COMBINE_SUM_WARPS] == 0
+    assert lay_mod.combine_sum_warps(0) == lay_mod.combine_sum_warps(4) == 0
+    for value, want in (("0", 0), ("15", 15), ("3", 3)):
+        monkeypatch.setenv(lay_mod.SUM_WARPS_ENV, value)
+        lay_mod.check_environment()
+        assert lay_mod.config_vector(cfg, 0, 4, lay, 24, 0)[Cfg.COMBINE_SUM_WARPS] == want
+        assert lay_mod.combine_sum_warps(5) == 0  # split: blocks, not warps, divide the work
+    monkeypatch.setenv(lay_mod.COMBINE_GROUPED_ENV, "0")
+    assert lay_mod.config_vector(cfg, 0, 4, lay, 24, 0)[Cfg.COMBINE_SUM_WARPS] == 0
+
+
+@pytest.mark.parametrize("value", ["16", "-1", "eight"])
+def test_a_malformed_summing_warp_count_is_a_config_error(monkeypatch, value):
+    monkeypatch.setenv(lay_mod.SUM_WARPS_ENV, value)
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_COMBINE_SUM_WARPS="):
+        lay_mod.check_environment()
+    with pytest.raises(ep_comm.EPConfigError, match=r"\$EP_COMM_COMBINE_SUM_WARPS="):
+        lay_mod.combine_sum_warps(1)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_a_malformed_sm_count_is_a_config_error_before_any_backend_starts(monkeypatch, value):
     monkeypatch.setenv(lay_mod.NUM_SMS_ENV, value)

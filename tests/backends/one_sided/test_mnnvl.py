@@ -18,7 +18,7 @@ from ep_comm.backends.protocol import Cfg
 
 from .. import cases, zero_copy_cases
 from . import spawned
-from .grouped_cases import forced_grouped_worker
+from .grouped_cases import forced_grouped_worker, grouped_env
 from .kernel_fault_cases import (
     RECREATE_CYCLES,
     bad_input_recovery_worker,
@@ -222,12 +222,14 @@ def test_recv_hook_misuse_is_refused_and_the_communicator_stays_in_step():
 
 
 # -- grouped combine (prefill sizes: per-group flags, sums while the link is busy) ---------------------------
-GROUPED_MODES = {"1": "interleaved", "split:3": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
+# grouped_env key ($EP_COMM_COMBINE_GROUPED [$EP_COMM_COMBINE_SUM_WARPS]) -> case name
+GROUPED_MODES = {"1": "interleaved", "1 0": "in_turn", "split:3": "split"}
 
 
 def grouped_worker() -> dict:
     """The grouped combine forced on at 96 tokens (3 groups, uneven T, zero T, -1/duplicates, skew, two
-    rounds per communicator), interleaved and split (3 sending blocks, so some senders have no group),
+    rounds per communicator), interleaved (summing warps, or every warp in turn) and split (3 sending
+    blocks, so some senders have no group),
     then as chosen by size at GROUPED_MIN_TOKENS tokens (standard layout only)."""
     out = {f"forced/{k}": v for k, v in forced_grouped_worker(GROUPED_MODES, ("bf16+scales", "fp8"), 96, 900).items()}
     topo, device = cases.init_rank()
@@ -244,12 +246,9 @@ def grouped_worker() -> dict:
 
 
 def grouped_graph_worker(env: str, **capture) -> dict:
-    """``cases.graph_capture`` on ``mnnvl`` (``capture``: its options) with $EP_COMM_COMBINE_GROUPED = env."""
-    os.environ[lay_mod.COMBINE_GROUPED_ENV] = env
-    try:
+    """``cases.graph_capture`` on ``mnnvl`` (``capture``: its options) under ``grouped_env(env)``."""
+    with grouped_env(env):
         return cases.graph_capture(("mnnvl",), **capture)
-    finally:
-        del os.environ[lay_mod.COMBINE_GROUPED_ENV]
 
 
 GROUPED = [f"forced/{m}/{layout}/{p}/{s}" for m in GROUPED_MODES.values() for layout in ("standard", "batched")
@@ -269,7 +268,8 @@ def test_grouped_combine_under_cuda_graphs(case, env):
 
 # -- grouped combine on 2 SMs: most send units come from the queue, and blocks sum between them --------------
 QUEUE_GROUPED_TOKENS = 160  # 5 groups per peer, against 2 blocks (split: 1 sending block)
-QUEUE_GROUPED_MODES = {"1": "interleaved", "split:1": "split"}  # $EP_COMM_COMBINE_GROUPED -> case name
+# grouped_env key -> case name; "1 15": one sending warp a block, which also draws its block's units
+QUEUE_GROUPED_MODES = {"1": "interleaved", "1 0": "in_turn", "1 15": "one_sender", "split:1": "split"}
 
 
 def queue_grouped_worker(hooks: str) -> dict:
