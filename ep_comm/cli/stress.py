@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=16, help="global experts (default: 16)")
     p.add_argument("--topk", type=int, default=4, help="experts per token (default: 4)")
     p.add_argument("--max-tokens", type=int, default=32, help="max tokens per rank (default: 32)")
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SMs the kernel backends run on (default: the library's, by --max-tokens, or "
+                        "$EP_COMM_NUM_SMS); few SMs and a few hundred tokens put the prefill kernels in play "
+                        "(rows laid out while sending, the grouped combine from 512 tokens at 3+ ranks)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--zero-copy", action="store_true",
                    help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed; every "
@@ -87,7 +91,7 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         return problem
     try:
         EPConfig(num_experts=args.experts, top_k=args.topk, hidden=args.hidden, max_tokens_per_rank=args.max_tokens,
-                 dtype=DTYPES[args.dtype])
+                 dtype=DTYPES[args.dtype], num_sms=args.num_sms)
     except EPConfigError as exc:
         return str(exc)
     return None
@@ -142,7 +146,7 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
                                max_tokens_per_rank=args.max_tokens, dtype=DTYPES[args.dtype], layout=layout,
                                backend=name, quant=quant, timeout_s=args.op_timeout,
                                zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard",
-                               validate_ids=faults.validating(args))
+                               validate_ids=faults.validating(args), num_sms=args.num_sms)
                 try:
                     comm = _new_comm(cfg)
                 except EPTopologyError as exc:

@@ -28,6 +28,8 @@ def replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: lis
            f"--max-tokens {args.max_tokens} --dtype {args.dtype}")
     if getattr(args, "zero_copy", False):
         cmd += " --zero-copy"
+    if getattr(args, "num_sms", None) is not None:
+        cmd += f" --num-sms {args.num_sms}"
     if args.faults:
         cmd += f" --faults --fault-rate {args.fault_rate:g}"
     if not faults.validating(args):

@@ -108,3 +108,15 @@ def test_a_long_iteration_says_so_in_a_log(capsys):
     assert lines and lines[0].startswith("stress: iteration 1 of 10 still running after"), lines
     time.sleep(0.15)  # closed: no more lines
     assert "still running" not in capsys.readouterr().err
+
+
+def test_an_sm_count_is_checked_and_carried_into_the_replay(cli):
+    """``--num-sms`` goes into every communicator's config (0 is refused like ``EPConfig(num_sms=0)``) and
+    into the replay command of a failing case, which must run the same kernels."""
+    bad = cli(["stress", "--nproc", "2", "--iters", "1", "--num-sms", "0"], timeout=120)
+    assert bad.returncode != 0 and "num_sms" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    proc = cli(["stress", "--nproc", "2", "--iters", "4", "--inject-fault", "--num-sms", "3", "--backend", "ag_rs",
+                "--layout", "standard"], timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    replays = [ln for ln in proc.stdout.splitlines() if "replay: ep-comm stress" in ln]
+    assert replays and all(ln.rstrip().endswith("--num-sms 3 --inject-fault") for ln in replays), replays
