@@ -158,24 +158,21 @@ def _check_on_off(forced: Optional[str]) -> None:
         raise ValueError("expected 0 or 1")
 
 
-def _check_receive_warps(value: Optional[str]) -> None:
-    if value:
-        try:
-            ok = 0 < int(value) < Limit.THREADS // 32
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"expected 1 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
+def _warp_count_check(lowest: int) -> Callable[[Optional[str]], None]:
+    """The check of a $EP_COMM_* count of a block's warps: ``lowest`` to all but one (the rest send)."""
+    def check(value: Optional[str]) -> None:
+        if value:
+            try:
+                ok = lowest <= int(value) < Limit.THREADS // 32
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"expected {lowest} to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
+    return check
 
 
-def _check_sum_warps(value: Optional[str]) -> None:
-    if value:
-        try:
-            ok = 0 <= int(value) < Limit.THREADS // 32
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"expected 0 to {Limit.THREADS // 32 - 1} (warps of a block; the rest send)")
+_check_receive_warps = _warp_count_check(1)
+_check_sum_warps = _warp_count_check(0)
 
 
 def _checked_env(name: str, check: Callable[[Optional[str]], object]) -> Optional[str]:
