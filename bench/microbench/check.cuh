@@ -1,6 +1,6 @@
 // What the microbenchmarks share: the runtime-call check (print the call and CUDA's reason, then exit:
-// standalone programs, nothing to recover), comma-separated option lists, launch timing, and the
-// quantising benchmarks' input rows.
+// standalone programs, nothing to recover), comma-separated option lists, launch timing, the
+// quantising benchmarks' input rows, and a warp's local row copy.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,6 +21,24 @@
       std::exit(1);                                                                            \
     }                                                                                          \
   } while (0)
+
+// One row of ``bytes`` (16-byte aligned, a multiple of 16) from ``src`` to ``dst`` by one warp, 8 loads
+// in flight per lane read around L1 (16-byte warp copies, as the kernels' receive side copies rows).
+__device__ __forceinline__ void warp_copy_row(const uint8_t* src, uint8_t* dst, int bytes, int lane) {
+  constexpr int kUnroll = 8;
+  const int n = bytes / 16;
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* o = reinterpret_cast<int4*>(dst);
+  for (int i = lane; i < n; i += kUnroll * 32) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * 32 < n) v[u] = __ldcg(s + i + u * 32);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * 32 < n) o[i + u * 32] = v[u];
+  }
+}
 
 // "a,b,c" -> {"a", "b", "c"} (empty items dropped)
 inline std::vector<std::string> comma_list(const std::string& s) {

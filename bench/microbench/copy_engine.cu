@@ -116,7 +116,6 @@ __device__ __forceinline__ unsigned long long now_ns() {
 __global__ void __launch_bounds__(kThreads, 1) copy_out(const uint8_t* recv, uint8_t* out, int sources, int rows,
                                                         int chunks, const int* flags, int epoch, int* timed_out,
                                                         int64_t pitch, unsigned long long* seen) {
-  constexpr int n = kRowBytes / 16, kUnroll = 8;
   const int lane = threadIdx.x & 31, gw = (blockIdx.x * kThreads + threadIdx.x) >> 5, nw = gridDim.x * kWarps;
   const int per_chunk = (rows + chunks - 1) / chunks;
   const int64_t items = static_cast<int64_t>(chunks) * sources * per_chunk;  // the last chunk may be short
@@ -145,17 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) copy_out(const uint8_t* recv, uin
       seen_flag = src * chunks + c;
     }
     const int64_t row = static_cast<int64_t>(src) * rows + r;
-    const int4* s = reinterpret_cast<const int4*>(recv + row * pitch);
-    int4* o = reinterpret_cast<int4*>(out + row * kRowBytes);
-    for (int j = lane; j < n; j += kUnroll * 32) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (j + u * 32 < n) v[u] = __ldcg(s + j + u * 32);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (j + u * 32 < n) o[j + u * 32] = v[u];
-    }
+    warp_copy_row(recv + row * pitch, out + row * kRowBytes, kRowBytes, lane);
   }
 }
 

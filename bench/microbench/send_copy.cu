@@ -153,19 +153,9 @@ __global__ void __launch_bounds__(kThreads, 1) send_copy(Args a) {
   }
   const int per_block = kWarps - a.send_warps;
   const int gw = blockIdx.x * per_block + warp - a.send_warps, nw = gridDim.x * per_block;
-  constexpr int n = kRowBytes / 16, kUnroll = 8;
   for (int r = gw; r < a.copy_rows; r += nw) {
-    const int4* s = reinterpret_cast<const int4*>(a.copy_src + static_cast<int64_t>(r) * kRowBytes);
-    int4* o = reinterpret_cast<int4*>(a.copy_dst + static_cast<int64_t>(r) * kRowBytes);
-    for (int i = lane; i < n; i += kUnroll * 32) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + u * 32 < n) v[u] = __ldcg(s + i + u * 32);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + u * 32 < n) o[i + u * 32] = v[u];
-    }
+    warp_copy_row(a.copy_src + static_cast<int64_t>(r) * kRowBytes, a.copy_dst + static_cast<int64_t>(r) * kRowBytes,
+                  kRowBytes, lane);
     if (lane == 0 && senders > 0 &&
         *reinterpret_cast<volatile unsigned long long*>(a.stats + kSendWarpsDone) < static_cast<unsigned long long>(senders))
       atomicAdd(a.stats + kCopyRowsBySendEnd, 1ull);

@@ -376,7 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_grouped_kernel(const Comb
 }
 
 // The grouped combine by warps (p.sum_warps > 0) in a kernel of its own, so that the interleaved
-// form's code and registers stay as they are.
+// form's code and registers stay as they are: its prologue and tokenless tail repeat that kernel's, and
+// grouped_sends_by_warps / grouped_sums_by_warps repeat combine_grouped's unit and group steps, because
+// sharing them as functions moved that kernel's registers (119 -> 124 in the bf16 build) and it still
+// serves hooked calls and EP_COMM_COMBINE_SUM_WARPS=0.
 template <typename Tin, typename Tout, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 1) combine_grouped_warps_kernel(const CombineParams p) {
   const Layout& L = p.c.lay;
