@@ -350,6 +350,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       }
       if (a.last) {
         close_work(work);
+        // batched: the peers' per-expert counts as the other form publishes them (a peer that does not
+        // receive while sending places rows by them); this rank's own counts are final only once every
+        // block has received (below)
+        for (int i = threadIdx.x; L.batched && i < L.world * nl; i += send_warps * kWarpSize) {
+          const int peer = i / nl;
+          if (peer == L.rank || !peer_active(L, peer)) continue;
+          *(reinterpret_cast<int32_t*>(peer_ptr(p.c, peer) + L.counts_offset[parity]) + L.rank * nl + i % nl) =
+              __ldcg(p.send_count + i);
+          p.send_count[i] = 0;  // ready for the next call
+        }
+        if (L.batched) asm volatile("bar.sync 1, %0;" ::"r"(send_warps * kWarpSize) : "memory");
         signal_all(p.c, parity, (static_cast<uint64_t>(static_cast<uint32_t>(p.num_tokens)) << 32) | code,
                    send_warps * kWarpSize);
         stamp(L, kTraceDispatch, kTrSignalled);
@@ -396,6 +407,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if constexpr (kOverlap) {  // the receive warps from the start, the send warps once they arrived
     receive_while_sending(p, code, parity, data_half, &s_next_row, s_src_tokens, dst, dst_s, deadline, err, progress,
                           lane);
+    if (L.batched) {  // every block has laid its rows out: the last one publishes the counts of the slots taken
+      const Arrival a = grid_arrive(p.c.counters + kStateReceived, /*wait=*/false, deadline, err);
+      if (a.last)
+        for (int e = threadIdx.x; e < nl; e += blockDim.x) {
+          int32_t* own = p.send_count + L.rank * nl + e;
+          p.counts[e] = static_cast<int32_t>(min(static_cast<int64_t>(__ldcg(own)), p.capacity));
+          *own = 0;  // ready for the next call
+        }
+    }
     __syncthreads();
     stamp(L, kTraceDispatch, kTrSource0 + 1);  // every source's rows laid out
     stamp(L, kTraceDispatch, kTrEnd);

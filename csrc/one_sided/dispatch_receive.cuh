@@ -137,8 +137,11 @@ __device__ __forceinline__ void receive_row_meta(const DispatchParams& p, const 
 // Piece ``chunk`` of peer row ``row_index`` (its bytes at ``row``; ``valid``: its header checked, else
 // the row is padding) into its places: with piece 0 the row's ids, weights and slots and the scales,
 // then the piece's payload bytes.  Batched: ``count`` and ``base`` are [world][num_local] rows each
-// source sent to each local expert and the first slot of them.  Ids and slots from another process
-// are never trusted: out of range means dropped.
+// source sent to each local expert and the first slot of them; null (receiving while sending, before
+// any count is known), each expert's next free slot, in the order rows land: p.send_count's own row,
+// which this rank's own rows take their slots from as they are sent (the order inside an expert is the
+// backend's to choose).  Ids and slots from another process are never trusted: out of range means
+// dropped.
 __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uint8_t* row, int64_t row_index, int src,
                                               int chunk, bool valid, const int* count, const int* base,
                                               uint8_t** dst, uint8_t** dst_s, int lane) {
@@ -150,9 +153,16 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
     const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
     lid = __ldcg(meta + lane);
     lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
-    const int idx = __ldcg(meta + 2 * k + lane);
-    if (lid < 0 || lid >= nl || (L.batched && (idx < 0 || idx >= count[src * nl + lid]))) lid = -1;
-    else if (L.batched) slot = base[src * nl + lid] + idx;
+    if (lid < 0 || lid >= nl) {
+      lid = -1;
+    } else if (L.batched && count == nullptr) {
+      slot = atomicAdd(p.send_count + L.rank * nl + lid, 1);
+      if (slot >= p.capacity) lid = -1;  // only more rows than max_tokens from one source get here
+    } else if (L.batched) {
+      const int idx = __ldcg(meta + 2 * k + lane);
+      if (idx < 0 || idx >= count[src * nl + lid]) lid = -1;
+      else slot = base[src * nl + lid] + idx;
+    }
   }
   const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
   if (n == 0) return;
@@ -167,7 +177,8 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
 
 // ---- receive while sending ------------------------------------------------------------------------
 // At prefill sizes the standard layout's copy of the peers' rows (memory-bound) can run beside the
-// sends (link- or, quantising, instruction-bound) instead of after them.  A row is then laid out as
+// sends (link- or, quantising, instruction-bound) instead of after them; so can the batched layout's
+// expansion into expert slots, its slots taken in the order rows land (lay_out_piece).  A row is then laid out as
 // soon as its header carries the call's code marked kRowLanded, so the sender writes the code last:
 // the header's second half {scale_bytes, token} goes with the row, its first half {code,
 // payload_bytes | kRowLanded} after a system-scope fence that orders the row's bytes before it.  A send

@@ -133,15 +133,16 @@ inline DispatchOut kernel_dispatch(const at::Tensor& x, const at::Tensor& topk_i
   }
   const RowShape r = row_shape(x, x_scales, cfg);
   set_dispatch_shape(p, r, T, cfg, work);
-  // receive while sending where the receive is a copy of whole rows that can run beside the sends:
-  // the standard layout, copied (or quantised to fp8 from bf16: the overlap kernel keeps its token counts
-  // after the quantiser's stages), peers' memory mapped, one launch, and enough tokens that every warp
+  // receive while sending where the receive is a copy of whole rows that can run beside the sends: the
+  // standard layout's copy or the batched layout's expansion into expert slots (taken in the order rows
+  // land), of bf16 rows or fp8 quantised from bf16 (the overlap kernel keeps its token counts after the
+  // quantiser's stages), peers' memory mapped, one launch, and enough tokens that every warp
   // sends whole rows (p.chunks == 1: prefill sizes; a decode call keeps every warp on its sends).  How
   // many warps of each block receive is the config's (Cfg.RECEIVE_WARPS: by world size and quant, 0 where
   // receiving while sending does not pay; ep_comm/backends/one_sided/layout.py)
   const bool fp8_from_bf16 = cfg[kCfgQuant] == kQuantFp8 && x.scalar_type() == at::kBFloat16;
   const bool whole_rows = p.chunks == 1 && (cfg[kCfgQuant] == kQuantNone || fp8_from_bf16);
-  const bool one_launch_mapped = p.phases == kPhaseBoth && L.put == 0 && !L.batched && !L.zero_copy;
+  const bool one_launch_mapped = p.phases == kPhaseBoth && L.put == 0 && !L.zero_copy;
   const int64_t receive_warps = cfg[kCfgReceiveWarps];
   TORCH_CHECK(receive_warps >= 0 && receive_warps < kWarps, "ep_comm: Cfg.RECEIVE_WARPS out of range");
   p.receive_warps = whole_rows && one_launch_mapped && L.world > 1 ? static_cast<int>(receive_warps) : 0;

@@ -32,7 +32,8 @@ class State(enum.IntEnum):
     VERDICT = 2  # the last input verdict: nonzero when some rank's input was bad (Phase.CHECKED skips)
     DISPATCH_WORK = 3  # the dispatch's send items handed out as warps ask: call code << 32 | next ticket
     COMBINE_WORK = 4  # the same for the combine's sends
-    COUNTERS = 5  # number of counters: the int32 error record starts here
+    RECEIVED = 5  # grid-wide arrival counter after a batched dispatch's receive while sending
+    COUNTERS = 6  # number of counters: the int32 error record starts here
 
 
 @enum.unique

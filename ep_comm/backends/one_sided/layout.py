@@ -29,17 +29,18 @@ COMBINE_GROUPED_ENV = "EP_COMM_COMBINE_GROUPED"
 # (docs/performance.md).  "0" / "1" force it.
 COMBINE_PULL_ENV = "EP_COMM_COMBINE_PULL"
 PULL_MIN_TOKENS = GROUPED_MIN_TOKENS
-# "0" keeps every warp of a dispatch on its sends; unset or "1": the standard layout's rows (copied, or
-# quantised to fp8 from EP4 on) are laid out while the dispatch still sends, at sizes where every warp
-# sends whole rows (the extension decides per call; docs/design.md).  Each rank's own choice: the ranks
-# need not agree.
+# "0" keeps every warp of a dispatch on its sends; unset or "1": the rows (copied, or quantised to fp8
+# from EP4 on; the batched layout's unquantised rows from EP4 on) are laid out while the dispatch still
+# sends, at sizes where every warp sends whole rows (the extension decides per call; docs/design.md).
+# Each rank's own choice: the ranks need not agree.
 RECEIVE_WHILE_SENDING_ENV = "EP_COMM_RECEIVE_WHILE_SENDING"
 # receiving while sending, the warps of each 16-warp block that lay rows out from the start, the rest
 # sending first.  At EP2 a token sends one remote row and the SMs bound the sends (12 sending warps: 199
 # µs at 4096 tokens, 16: 173): 5 receive (2-8 measured, 5 the fastest).  From EP4 a token sends about 3
 # rows, the link bounds the sends, and with half the warps receiving nearly every row is laid out when
-# they end (4-12 measured, 8 the fastest; docs/performance.md).  $EP_COMM_RECEIVE_WARPS (1-15) sets the
-# count for every dispatch that can receive while sending, fp8 at EP2 included.
+# they end (4-12 measured, 8 the fastest; docs/performance.md); the batched layout's expansion at EP4 took
+# 620 µs receiving on 8 warps against 793 after the sends.  $EP_COMM_RECEIVE_WARPS (1-15) sets the count
+# for every dispatch that can receive while sending, fp8 and the batched layout at EP2 included.
 RECEIVE_WARPS_ONE_PEER = 5
 RECEIVE_WARPS_MANY_PEERS = 8
 RECEIVE_WARPS_ENV = "EP_COMM_RECEIVE_WARPS"
@@ -202,12 +203,14 @@ def receive_warps(cfg: EPConfig, world: int) -> int:
     """``Cfg.RECEIVE_WARPS``: the warps of each block that lay peers' rows out while the others send, in
     a dispatch the extension lets receive while sending; 0: every warp sends first.  Quantised: fp8 from
     EP4 on (at EP2 the quantiser bounds the sends by instructions and lost 5 % with 4 warps receiving),
-    never NVFP4."""
+    never NVFP4.  The batched layout unquantised from EP4 on (not measured at EP2 or with fp8)."""
     if os.environ.get(RECEIVE_WHILE_SENDING_ENV) == "0" or world < 2 or cfg.quant == "nvfp4":
         return 0
     forced = _checked_env(RECEIVE_WARPS_ENV, _check_receive_warps)
     if forced:
         return int(forced)
+    if cfg.layout == "batched" and (world == 2 or cfg.quant is not None):
+        return 0
     if world == 2:
         return RECEIVE_WARPS_ONE_PEER if cfg.quant is None else 0
     return RECEIVE_WARPS_MANY_PEERS

@@ -199,7 +199,8 @@ def test_receiving_while_sending_is_on_unless_switched_off(monkeypatch):
 
 def test_the_receiving_warps_follow_the_world_size_and_the_quantisation():
     """Half the warps from EP4 on (the link bounds the sends), 5 at EP2 (the SMs do); fp8 only from EP4
-    on, NVFP4 never, a single rank never: the config's defaults, whatever the extension then allows."""
+    on, the batched layout unquantised from EP4 on, NVFP4 never, a single rank never: the config's
+    defaults, whatever the extension then allows."""
     bf16 = ep_comm.EPConfig(num_experts=64, top_k=8, hidden=128, max_tokens_per_rank=4096)
     fp8, nvfp4 = bf16.replace(quant="fp8"), bf16.replace(quant="nvfp4")
     warps = Limit.THREADS // 32
@@ -210,6 +211,10 @@ def test_the_receiving_warps_follow_the_world_size_and_the_quantisation():
     assert lay_mod.receive_warps(fp8, 2) == 0
     assert lay_mod.receive_warps(fp8, 4) == lay_mod.RECEIVE_WARPS_MANY_PEERS
     assert lay_mod.receive_warps(nvfp4, 2) == lay_mod.receive_warps(nvfp4, 8) == 0
+    batched = bf16.replace(layout="batched")  # unquantised from EP4 on
+    assert lay_mod.receive_warps(batched, 2) == 0
+    assert [lay_mod.receive_warps(batched, w) for w in (3, 4, 8)] == [lay_mod.RECEIVE_WARPS_MANY_PEERS] * 3
+    assert lay_mod.receive_warps(batched.replace(quant="fp8"), 4) == 0
 
 
 @pytest.mark.parametrize("value", ["0", "16", "-1", "half"])
@@ -222,10 +227,12 @@ def test_a_malformed_receiving_warp_count_is_a_config_error(monkeypatch, value):
         lay_mod.receive_warps(cfg, 2)
 
 
-def test_a_receiving_warp_count_reaches_fp8_at_ep2_and_leaves_nvfp4_alone(monkeypatch):
+def test_a_receiving_warp_count_reaches_fp8_and_batched_at_ep2_and_leaves_nvfp4_alone(monkeypatch):
     monkeypatch.setenv(lay_mod.RECEIVE_WARPS_ENV, "15")
     cfg = ep_comm.EPConfig(num_experts=8, top_k=2, hidden=128, max_tokens_per_rank=1024)
     assert lay_mod.receive_warps(cfg.replace(quant="fp8"), 2) == 15
+    assert lay_mod.receive_warps(cfg.replace(layout="batched"), 2) == 15
+    assert lay_mod.receive_warps(cfg.replace(layout="batched", quant="fp8"), 4) == 15
     assert lay_mod.receive_warps(cfg.replace(quant="nvfp4"), 2) == 0
     lay_mod.check_environment()
 

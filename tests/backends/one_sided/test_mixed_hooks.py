@@ -5,13 +5,18 @@ protocol as the whole call on a rank without a hook.  The grouped combine (per-g
 on at 96 tokens, split (3 sending blocks) and interleaved; the even ranks hook both ops, the odd ones
 do not.  And next to hooked ranks, ranks whose one-launch dispatch lays rows out while it still sends
 (2 SMs, up to 64 tokens: whole rows per warp from 17 tokens), so that rows written before their
-header's code and rows marked landed meet on both sides.  Ranks and GPUs as in test_mnnvl.py.
+header's code and rows marked landed meet on both sides; in the batched layout (receiving warps forced on
+at world 2) also slots taken in landing order next to slots from the published counts.  Ranks and GPUs as
+in test_mnnvl.py.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
 import ep_comm
+from ep_comm.backends.one_sided import layout as lay_mod
 
 from .. import cases
 from . import spawned
@@ -43,24 +48,30 @@ RWS_PAYLOADS = ("bf16+scales", "uint8_opaque")
 
 
 def receiving_while_sending_worker() -> dict:
-    """Standard layout, copied rows: the even ranks hook both ops, the odd ones do not."""
+    """Copied rows, both layouts: the even ranks hook both ops, the odd ones do not."""
     topo, device = cases.init_rank()
     world, rank = topo.world_size, topo.rank
     out: dict = {}
     seed = 1700
-    for payload in RWS_PAYLOADS:
-        cfg = cases.make_cfg(world, "mnnvl", "standard", cases.PAYLOADS[payload][0], max_tokens=RWS_TOKENS,
-                             num_sms=RWS_SMS)
-        with ep_comm.Communicator(cfg, device=device) as comm:
-            for _ in range(2):  # both parities
-                for name, spec in cases.scenarios(world, RWS_TOKENS).items():
-                    seed += 1
-                    key = f"standard/{payload}/{name}"
-                    out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
-                                                                 hooks=rank % 2 == 0)
+    os.environ[lay_mod.RECEIVE_WARPS_ENV] = str(lay_mod.RECEIVE_WARPS_ONE_PEER)  # the batched layout at world 2
+    try:
+        for layout in ("standard", "batched"):
+            for payload in RWS_PAYLOADS:
+                cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=RWS_TOKENS,
+                                     num_sms=RWS_SMS)
+                with ep_comm.Communicator(cfg, device=device) as comm:
+                    for _ in range(2):  # both parities
+                        for name, spec in cases.scenarios(world, RWS_TOKENS).items():
+                            seed += 1
+                            key = f"{layout}/{payload}/{name}"
+                            out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
+                                                                         hooks=rank % 2 == 0)
+    finally:
+        del os.environ[lay_mod.RECEIVE_WARPS_ENV]
     return out
 
 
-@pytest.mark.parametrize("case", [f"standard/{p}/{s}" for p in RWS_PAYLOADS for s in cases.scenarios(2, RWS_TOKENS)])
+@pytest.mark.parametrize("case", [f"{layout}/{p}/{s}" for layout in ("standard", "batched") for p in RWS_PAYLOADS
+                                  for s in cases.scenarios(2, RWS_TOKENS)])
 def test_hooked_ranks_next_to_ranks_receiving_while_sending(case):
     _results.assert_clean(case, "receiving_while_sending", receiving_while_sending_worker)

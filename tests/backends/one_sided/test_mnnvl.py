@@ -103,6 +103,29 @@ def test_send_items_taken_from_the_queue_under_cuda_graphs(case):
     _assert_clean(case, "queue_graph", queue_graph)
 
 
+# -- the batched layout receiving while sending (its default from EP4 on, forced here at any world): expert
+# slots taken in the order rows land, counts published after every block has received, graphs replayed
+def batched_receiving_worker(graphs: bool) -> dict:
+    os.environ[lay_mod.RECEIVE_WARPS_ENV] = str(lay_mod.RECEIVE_WARPS_MANY_PEERS)
+    try:
+        if graphs:
+            return cases.graph_capture(("mnnvl",), layouts=("batched",), replays=4, max_tokens=QUEUE_TOKENS,
+                                       num_sms=QUEUE_SMS)
+        return cases.backend_matrix(("mnnvl",), ("batched",), 2, False, max_tokens=QUEUE_TOKENS, num_sms=QUEUE_SMS)
+    finally:
+        del os.environ[lay_mod.RECEIVE_WARPS_ENV]
+
+
+@pytest.mark.parametrize("case", [c for c in QUEUE_MATRIX if c.startswith("mnnvl/batched/")])
+def test_batched_rows_laid_out_while_sending_match_oracle(case):
+    _assert_clean(case, "batched_receiving", batched_receiving_worker, False)
+
+
+@pytest.mark.parametrize("case", [c for c in GRAPH if "/batched" in c])
+def test_batched_rows_laid_out_while_sending_under_cuda_graphs(case):
+    _assert_clean(case, "batched_receiving_graph", batched_receiving_worker, True)
+
+
 # -- 4096 experts per rank: the receive pass's per-(source, expert) counts and slot bases need more shared
 # memory than a launch gets without opting in (64 KB at world 2)
 def many_experts_matrix() -> dict:
