@@ -142,7 +142,9 @@ def _cpu_mnnvl_worker() -> tuple[str, str]:
 def test_mnnvl_on_cpu_says_why_and_auto_falls_back():
     # a pure-Python install says the kernels are not built; a CUDA build on a CPU group needs CUDA tensors
     why = "needs CUDA" if extension.built() else "kernels are not built"
-    for msg, auto in raise_on_failure(spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120)):
+    # the ranks see no GPU, so that on a GPU machine they form the CPU group this test is about
+    cpu_only = spawn_local(_cpu_mnnvl_worker, 2, timeout_s=120, extra_env=lambda rank: {"CUDA_VISIBLE_DEVICES": ""})
+    for msg, auto in raise_on_failure(cpu_only):
         assert "mnnvl" in msg and why in msg, msg
         assert msg.count(why) == 1 and "rank" not in msg.split(why)[0], msg  # shared by every rank: said once
         assert auto == "ag_rs"
