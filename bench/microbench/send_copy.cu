@@ -1,5 +1,6 @@
 // Can the SMs of a prefill dispatch lay received rows out while they send rows to peer GPUs, and do
-// TMA bulk sends leave the SMs' memory pipes free for that copy?
+// TMA bulk copies (on the sending or on the copying side) leave the SMs' issue slots and memory pipes
+// free for the other?
 //
 // The copied standard dispatch receives while it sends: some of each block's 16 warps copy the peers'
 // rows into the output while the others send (4 and 12 here), and the copy that is left when the sends
@@ -10,8 +11,9 @@
 //
 //   send          every warp sends (16-byte warp stores, or TMA: one lane per warp loads a piece into
 //                 shared memory and bulk-stores it to each destination)
-//   copy          every warp copies
-//   both          warps [0, S) of every block send, the rest copy, from the start
+//   copy          every warp copies (16-byte warp copies, or TMA as the sends)
+//   both          warps [0, S) of every block send, the rest copy, from the start: warp stores on both
+//                 sides, TMA sends beside warp copies, and warp-store sends beside TMA copies
 //
 // on `blocks` blocks of 512 threads.  Per configuration: the kernel's p50 (CUDA events), when the
 // sends and the copy ended (the GPU's global timer, from the first warp's start; medians), and the
@@ -20,7 +22,7 @@
 //
 // Build and run (2 to 4 GPUs, no torch):
 //   nvcc -std=c++17 -O3 -arch=sm_90 bench/microbench/send_copy.cu -o sc && ./sc
-//   options: --rows 4096 --fan 1,2,3 --blocks 24 --send-warps 12,14 --reps 20
+//   options: --rows 4096 --fan 1,2,3 --blocks 24 --send-warps 8,11,12,14 --reps 20
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,7 +52,8 @@ struct Args {
   uint8_t* copy_dst;             // [copy_rows][kRowBytes], local
   int copy_rows;
   int send_warps;                // per block: kWarps sends only, 0 copies only
-  bool tma;
+  bool tma;                      // the sends by TMA
+  bool copy_tma;                 // the copy by TMA
   unsigned long long* stats;     // [kStats]
 };
 
@@ -88,17 +91,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Lane 0 only: a ring of kStages pieces; loads run kStages - 2 pieces ahead of the stores, and a stage
-// is refilled once the stores that read it are done reading.
-__device__ void send_tma(const Args& a, int gw, int nw, uint8_t* ring, uint64_t* bars) {
+// Lane 0 only: rows gw, gw + nw, ... of `src` (`rows` of them) to `fan` destinations each (dst(r, j) is
+// row r's j-th), through a ring of kStages pieces; loads run kStages - 2 pieces ahead of the stores, and
+// a stage is refilled once the stores that read it are done reading.  `issued(r)`: row r's stores issued.
+template <typename Dst, typename Issued>
+__device__ void tma_rows(const uint8_t* src, int rows, int fan, int gw, int nw, uint8_t* ring, uint64_t* bars,
+                         Dst dst, Issued issued) {
   for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + s)));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  const int my_rows = a.rows > gw ? (a.rows - gw + nw - 1) / nw : 0;
+  const int my_rows = rows > gw ? (rows - gw + nw - 1) / nw : 0;
   const int pieces = my_rows * kPieces;
   auto row_of = [&](int i) { return gw + (i / kPieces) * nw; };
   auto load = [&](int i) {
     const uint32_t bar = smem_u32(bars + i % kStages);
-    const uint8_t* g = a.src + static_cast<int64_t>(row_of(i)) * kRowBytes + (i % kPieces) * kPiece;
+    const uint8_t* g = src + static_cast<int64_t>(row_of(i)) * kRowBytes + (i % kPieces) * kPiece;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kPiece) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                      smem_u32(ring + (i % kStages) * kPiece)),
@@ -113,12 +119,13 @@ __device__ void send_tma(const Args& a, int gw, int nw, uint8_t* ring, uint64_t*
                    : "=r"(done)
                    : "r"(bar), "r"(phase)
                    : "memory");
-    for (int j = 0; j < a.fan; ++j)
+    for (int j = 0; j < fan; ++j)
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                       destination(a, row_of(i), j) + (i % kPieces) * kPiece),
+                       dst(row_of(i), j) + (i % kPieces) * kPiece),
                    "r"(smem_u32(ring + (i % kStages) * kPiece)), "r"(kPiece)
                    : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (i % kPieces == kPieces - 1) issued(row_of(i));
   };
   constexpr int kAhead = kStages - 2;
   for (int i = 0; i < pieces; ++i) {
@@ -130,6 +137,12 @@ __device__ void send_tma(const Args& a, int gw, int nw, uint8_t* ring, uint64_t*
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+__device__ __forceinline__ void count_copied_row(const Args& a, int senders) {
+  if (senders > 0 &&
+      *reinterpret_cast<volatile unsigned long long*>(a.stats + kSendWarpsDone) < static_cast<unsigned long long>(senders))
+    atomicAdd(a.stats + kCopyRowsBySendEnd, 1ull);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) send_copy(Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t bars[kWarps][kStages];
@@ -139,7 +152,9 @@ __global__ void __launch_bounds__(kThreads, 1) send_copy(Args a) {
   if (warp < a.send_warps) {
     const int gw = blockIdx.x * a.send_warps + warp;
     if (a.tma) {
-      if (lane == 0) send_tma(a, gw, senders, smem + static_cast<size_t>(warp) * kStages * kPiece, bars[warp]);
+      if (lane == 0)
+        tma_rows(a.src, a.rows, a.fan, gw, senders, smem + static_cast<size_t>(warp) * kStages * kPiece, bars[warp],
+                 [&](int r, int j) { return destination(a, r, j); }, [](int) {});
     } else {
       send_regs(a, gw, senders, lane);
     }
@@ -153,12 +168,19 @@ __global__ void __launch_bounds__(kThreads, 1) send_copy(Args a) {
   }
   const int per_block = kWarps - a.send_warps;
   const int gw = blockIdx.x * per_block + warp - a.send_warps, nw = gridDim.x * per_block;
+  if (a.copy_tma) {
+    if (lane == 0)
+      tma_rows(a.copy_src, a.copy_rows, 1, gw, nw, smem + static_cast<size_t>(warp) * kStages * kPiece, bars[warp],
+               [&](int r, int) { return a.copy_dst + static_cast<int64_t>(r) * kRowBytes; },
+               [&](int) { count_copied_row(a, senders); });
+    __syncwarp();
+    if (lane == 0) atomicMax(a.stats + kCopyEnd, now_ns());
+    return;
+  }
   for (int r = gw; r < a.copy_rows; r += nw) {
     warp_copy_row(a.copy_src + static_cast<int64_t>(r) * kRowBytes, a.copy_dst + static_cast<int64_t>(r) * kRowBytes,
                   kRowBytes, lane);
-    if (lane == 0 && senders > 0 &&
-        *reinterpret_cast<volatile unsigned long long*>(a.stats + kSendWarpsDone) < static_cast<unsigned long long>(senders))
-      atomicAdd(a.stats + kCopyRowsBySendEnd, 1ull);
+    if (lane == 0) count_copied_row(a, senders);
   }
   __syncwarp();
   if (lane == 0) atomicMax(a.stats + kCopyEnd, now_ns());
@@ -221,7 +243,7 @@ static bool check(const Args& a, const std::vector<uint8_t>& src, const std::vec
 
 int main(int argc, char** argv) {
   int rows = 4096, blocks = 24, reps = 20;
-  std::string fans = "1,2,3", send_warps = "12,14";
+  std::string fans = "1,2,3", send_warps = "8,11,12,14";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--rows") rows = std::atoi(v.c_str());
@@ -272,8 +294,8 @@ int main(int argc, char** argv) {
   CK(cudaFuncSetAttribute(send_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 
   bool all_ok = true;
-  std::printf("%-5s %-4s %3s %10s %8s %10s %10s %10s\n", "mode", "send", "fan", "send_warps", "p50_us", "sends_end",
-              "copy_end", "copy_done");
+  std::printf("%-5s %-4s %-4s %3s %10s %8s %10s %10s %10s\n", "mode", "send", "copy", "fan", "send_warps", "p50_us",
+              "sends_end", "copy_end", "copy_done");
   for (const std::string& f : comma_list(fans)) {
     a.fan = std::min(std::atoi(f.c_str()), peers);
     if (a.fan < 1) continue;
@@ -290,26 +312,30 @@ int main(int argc, char** argv) {
     struct Config {
       const char* mode;
       int send_warps;
-      bool tma;
+      bool tma, copy_tma;
     };
-    std::vector<Config> configs = {{"send", kWarps, false}, {"send", kWarps, true}, {"copy", 0, false}};
+    std::vector<Config> configs = {{"send", kWarps, false, false}, {"send", kWarps, true, false},
+                                   {"copy", 0, false, false}, {"copy", 0, false, true}};
     for (const std::string& s : comma_list(send_warps)) {
       const int sw = std::atoi(s.c_str());
       if (sw < 1 || sw >= kWarps) continue;
-      configs.push_back({"both", sw, false});
-      configs.push_back({"both", sw, true});
+      configs.push_back({"both", sw, false, false});
+      configs.push_back({"both", sw, true, false});
+      configs.push_back({"both", sw, false, true});
     }
     for (const Config& c : configs) {
       for (int p = 0; p < peers; ++p) CK(cudaMemset(a.peer[p], 0, row_bytes));
       CK(cudaMemset(d_cdst, 0, copy_bytes));
       a.send_warps = c.send_warps;
       a.tma = c.tma;
+      a.copy_tma = c.copy_tma;
       const Result r = run(a, blocks, reps, smem);
       const bool ok = check(a, src, copy_src);
       all_ok = all_ok && ok;
       const bool sends = c.send_warps > 0, copies = c.send_warps < kWarps;
-      std::printf("%-5s %-4s %3d %10d %8.1f %10.1f %10.1f %9.0f%%%s\n", c.mode, sends ? (c.tma ? "tma" : "regs") : "-",
-                  a.fan, c.send_warps, r.kernel_us, sends ? r.send_end_us : 0.f, copies ? r.copy_end_us : 0.f,
+      std::printf("%-5s %-4s %-4s %3d %10d %8.1f %10.1f %10.1f %9.0f%%%s\n", c.mode,
+                  sends ? (c.tma ? "tma" : "regs") : "-", copies ? (c.copy_tma ? "tma" : "regs") : "-", a.fan,
+                  c.send_warps, r.kernel_us, sends ? r.send_end_us : 0.f, copies ? r.copy_end_us : 0.f,
                   sends && copies ? 100.f * r.copy_share : 0.f, ok ? "" : "  MISMATCH");
     }
     CK(cudaFree(d_csrc));

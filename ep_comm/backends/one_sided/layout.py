@@ -203,7 +203,8 @@ def receive_warps(cfg: EPConfig, world: int) -> int:
     """``Cfg.RECEIVE_WARPS``: the warps of each block that lay peers' rows out while the others send, in
     a dispatch the extension lets receive while sending; 0: every warp sends first.  Quantised: fp8 from
     EP4 on (at EP2 the quantiser bounds the sends by instructions and lost 5 % with 4 warps receiving),
-    never NVFP4.  The batched layout unquantised from EP4 on (not measured at EP2 or with fp8)."""
+    never NVFP4.  The batched layout unquantised from EP4 on (at EP2 it gained 2 %, too little to
+    switch on by one run; batched fp8 at EP2 lost 21 %, at EP4 it is not measured)."""
     if os.environ.get(RECEIVE_WHILE_SENDING_ENV) == "0" or world < 2 or cfg.quant == "nvfp4":
         return 0
     forced = _checked_env(RECEIVE_WARPS_ENV, _check_receive_warps)
