@@ -14,13 +14,15 @@ class EPError(RuntimeError):
 
 
 class EPConfigError(EPError, ValueError):
-    """An ``EPConfig`` field (or the group it is used with, or an ``$EP_COMM_*`` environment variable:
-    ``field`` starting with ``$``) is invalid; the message names it."""
+    """An ``EPConfig`` field (or the group it is used with, an ``$EP_COMM_*`` environment variable:
+    ``field`` starting with ``$``, or another setting named in words: ``field`` with a space, such as
+    ``"env MASTER_ADDR"``) is invalid; the message names it."""
 
     def __init__(self, field: str, value: object, why: str):
         self.field = field
         self.value = value
-        super().__init__(f"{field if field.startswith('$') else 'EPConfig.' + field}={value!r}: {why}")
+        named = field.startswith("$") or " " in field
+        super().__init__(f"{field if named else 'EPConfig.' + field}={value!r}: {why}")
 
 
 class EPInputError(EPError, ValueError):

@@ -53,12 +53,15 @@ def external_launch() -> Optional[LaunchInfo]:
     return None
 
 
-def check_nproc(nproc: int) -> Optional[str]:
-    """Why ``nproc`` local ranks cannot run here (None when they can)."""
+def check_nproc(nproc: int, share_gpus: bool = False) -> Optional[str]:
+    """Why ``nproc`` local ranks cannot run here (None when they can).  ``share_gpus``: the ranks form a
+    gloo job and share the GPUs (``setup_rank``), so there may be more of them than GPUs."""
     if nproc < 1:
         return f"--nproc must be >= 1, got {nproc}"
     ngpu = cuda_device_count()
-    if ngpu and nproc > ngpu:
+    if share_gpus and not ngpu:
+        return "--share-gpus needs CUDA GPUs, and none is visible"
+    if ngpu and nproc > ngpu and not share_gpus:
         # NCCL refuses two ranks on one GPU; say so before spawning instead of failing in every child
         return (f"--nproc {nproc} exceeds the {ngpu} visible CUDA device(s); NCCL needs one GPU per rank "
                 "(set CUDA_VISIBLE_DEVICES= to run CPU ranks over gloo instead)")
@@ -67,11 +70,13 @@ def check_nproc(nproc: int) -> Optional[str]:
 
 def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
               failure_grace_s: Optional[float] = None,
-              planned_victim: Optional[Callable[[Any, int], Optional[int]]] = None) -> int:
+              planned_victim: Optional[Callable[[Any, int], Optional[int]]] = None,
+              share_gpus: bool = False) -> int:
     """Run ``worker(args)`` on every rank and return the exit code for this process.
 
     ``planned_victim(args, world)``: the rank the command kills on purpose (``ep-comm stress --kill``),
-    whose own SIGKILL is then no failure.
+    whose own SIGKILL is then no failure.  ``share_gpus``: more spawned ranks than GPUs are allowed
+    (the worker sets its ranks up with ``setup_rank(share_gpus=True)``).
 
     Self-spawned ranks still running ``failure_grace_s`` after one rank failed are killed (their own
     typed errors normally end them well before); none outlives this call.
@@ -83,7 +88,7 @@ def run_ranks(worker: Worker, args: Any, nproc: Optional[int], timeout_s: float,
                   file=sys.stderr, flush=True)
         return _run_here(worker, args)
     nproc = default_nproc() if nproc is None else nproc
-    problem = check_nproc(nproc)
+    problem = check_nproc(nproc, share_gpus)
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -177,8 +182,12 @@ class RankEnv:
         return self.rank == 0
 
 
-def setup_rank(timeout_s: float = 300.0) -> RankEnv:
-    """``ep_comm.init_distributed`` plus a gloo group for host-side control of the CLI itself."""
+def setup_rank(timeout_s: float = 300.0, share_gpus: bool = False) -> RankEnv:
+    """``ep_comm.init_distributed`` plus a gloo group for host-side control of the CLI itself.
+
+    ``share_gpus``: a gloo job whose ranks take GPU ``local_rank % device_count`` (more ranks than GPUs);
+    the device is then CUDA on a gloo group, which only the ``mnnvl`` backend runs on.
+    """
     import torch.distributed as dist
 
     from ..distributed import init_distributed
@@ -191,8 +200,11 @@ def setup_rank(timeout_s: float = 300.0) -> RankEnv:
         faulthandler.dump_traceback_later(float(hang_dump), exit=False)
     # read before init_distributed, which exports RANK/WORLD_SIZE (torchrun's names) for any launcher
     launcher = "spawn" if os.environ.get(_SPAWNED_ENV) else read_launch_env().launcher
-    topo = init_distributed(timeout_s)
-    if dist.get_backend() == "gloo":
+    topo = init_distributed(timeout_s, backend="gloo" if share_gpus else None)
+    if share_gpus:
+        cpu_group = None
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif dist.get_backend() == "gloo":
         cpu_group = None
         device = torch.device("cpu")
     else:

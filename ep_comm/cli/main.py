@@ -87,7 +87,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # once a rank fails, the others get --op-timeout (their own typed errors) plus a margin to end
     return run_ranks(module.worker, args, args.nproc, args.timeout, failure_grace_s=args.op_timeout + 15.0,
-                     planned_victim=getattr(module, "planned_victim", None))
+                     planned_victim=getattr(module, "planned_victim", None),
+                     share_gpus=getattr(args, "share_gpus", False))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -71,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-copy", action="store_true",
                    help="EPConfig.zero_copy for the standard layout (received rows left in the buffer, viewed; every "
                         "other iteration writes x into Communicator.dispatch_input_buffer())")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="let --nproc exceed the GPUs: the ranks form a gloo job and take GPU rank %% count, so "
+                        "a 2-GPU machine runs 4 or 8 ranks; only the mnnvl backend runs so (NCCL and NVSHMEM need "
+                        "a GPU per rank; the default --backend becomes mnnvl). Correctness only: ranks sharing a "
+                        "GPU say nothing about speed")
     p.add_argument("--keep-going", action="store_true",
                    help="run every iteration even after a mismatch or a fault answered wrongly")
     faults.add_arguments(p)
@@ -80,10 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> Optional[str]:
+    if args.share_gpus and not args.backend:
+        args.backend = ["mnnvl"]
     args.backend = default_backends(args.backend)
     names, _, err = resolve_backend_request(args.backend)
     if err:
         return err
+    if args.share_gpus and (names != ["mnnvl"] or args.kill):
+        return ("--share-gpus runs the mnnvl backend only (NCCL and NVSHMEM need a GPU per rank) and no "
+                f"--kill; got --backend {' '.join(args.backend)}{' and --kill' if args.kill else ''}")
     if args.iters < 1 or args.start < 0:
         return "--iters must be >= 1 and --start >= 0"
     problem = faults.check_arguments(args)
@@ -109,7 +119,7 @@ class InjectedError(RuntimeError):
 
 # -- the worker -------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
-    env = setup_rank(max(300.0, 3 * args.op_timeout))
+    env = setup_rank(max(300.0, 3 * args.op_timeout), share_gpus=args.share_gpus)
     try:
         code = _stress(env, args)
         # after a kill the default group holds a dead rank: the survivors agreed over their own plane
@@ -148,7 +158,7 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
                                zero_copy=bool(getattr(args, "zero_copy", False)) and layout == "standard",
                                validate_ids=faults.validating(args), num_sms=args.num_sms)
                 try:
-                    comm = _new_comm(cfg)
+                    comm = _new_comm(env, cfg)
                 except EPTopologyError as exc:
                     msg = f"{name}: not usable here ({exc})"
                     if msg not in notes:
@@ -163,9 +173,10 @@ def _make_comms(env: RankEnv, args: argparse.Namespace, fp8_ok: bool) -> tuple[d
     return comms, notes, code
 
 
-def _new_comm(cfg: EPConfig) -> Communicator:
-    """Every communicator of the run is made here (collective: a refusal is raised alike on every rank)."""
-    return Communicator(cfg)
+def _new_comm(env: RankEnv, cfg: EPConfig) -> Communicator:
+    """Every communicator of the run is made here (collective: a refusal is raised alike on every rank), on
+    the rank's device (a GPU on a gloo group with --share-gpus)."""
+    return Communicator(cfg, device=env.device)
 
 
 def _stress(env: RankEnv, args: argparse.Namespace) -> int:
@@ -201,7 +212,8 @@ def _stress(env: RankEnv, args: argparse.Namespace) -> int:
                           grace_s=2.0 if env.device.type == "cuda" else args.op_timeout + 5,
                           expected=() if kill is None else (kill.rank,), expected_grace_s=6 * args.op_timeout + 60)
         variants = sorted({(b, lay) for b, lay, _ in comms})
-        say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {env.device.type}), {args.iters} iterations from "
+        where = f"{env.device.type}, GPUs shared" if args.share_gpus else env.device.type
+        say(env, f"ep-comm stress: {world} ranks ({env.launcher}, {where}), {args.iters} iterations from "
                  f"{args.start}, seed {args.seed}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
                  f"max {args.max_tokens} tokens/rank, {args.dtype}; variants: "
                  + ", ".join(f"{b}/{lay}" for b, lay in variants) + ("" if fp8_ok else "; fp8 off (hidden % 128 != 0)")
@@ -452,7 +464,7 @@ def _renew(env: RankEnv, args: argparse.Namespace, comms: dict, variants: list, 
             variants.remove((backend, layout))
             continue
         try:
-            comms[key] = _new_comm(dataclasses.replace(old.cfg, backend=backend))
+            comms[key] = _new_comm(env, dataclasses.replace(old.cfg, backend=backend))
         except EPTimeoutError:
             raise
         except EPError as exc:

@@ -30,6 +30,8 @@ def replay(env: RankEnv, args: argparse.Namespace, iteration: int, backends: lis
         cmd += " --zero-copy"
     if getattr(args, "num_sms", None) is not None:
         cmd += f" --num-sms {args.num_sms}"
+    if getattr(args, "share_gpus", False):
+        cmd += " --share-gpus"
     if args.faults:
         cmd += f" --faults --fault-rate {args.fault_rate:g}"
     if not faults.validating(args):

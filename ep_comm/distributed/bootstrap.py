@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import EPConfigError, EPTimeoutError
+from ..errors import EPConfigError, EPTimeoutError, EPTopologyError
 from .launch_env import LaunchInfo, free_port, read_launch_env, slurm_default_rendezvous, this_host_address
 from .topology import Topology, gather_topology
 
@@ -83,15 +83,22 @@ def _shutdown() -> None:
     shutdown()
 
 
-def init_distributed(timeout_s: Optional[float] = None) -> Topology:
+def init_distributed(timeout_s: Optional[float] = None, backend: Optional[str] = None) -> Topology:
     """Initialise torch.distributed from the launcher's environment and return this rank's Topology.
 
     A no-op (apart from building the Topology) when torch.distributed is already initialised.
-    Uses NCCL and sets the CUDA device to the local rank when CUDA is available, gloo otherwise.
+    Uses NCCL and sets the CUDA device to the local rank (modulo the visible GPUs) when CUDA is
+    available, gloo otherwise.  ``backend="gloo"`` with CUDA: a gloo job whose ranks still take GPU
+    ``local_rank % device_count``, so that more ranks than GPUs can share them (NCCL refuses two ranks
+    on one GPU; the ``mnnvl`` backend maps peers on the same GPU alike).
     Collective: every rank of the job must call it.
     """
+    if backend not in (None, "nccl", "gloo"):
+        raise EPConfigError("init_distributed backend", backend, "must be None, 'nccl' or 'gloo'")
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     use_cuda = torch.cuda.is_available()
+    if backend == "nccl" and not use_cuda:
+        raise EPTopologyError("init_distributed: backend='nccl' needs CUDA, and none is available")
     device_index: Optional[int] = None
     if not dist.is_initialized():
         info = read_launch_env()
@@ -105,7 +112,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> Topology:
             torch.cuda.set_device(device_index)
         try:
             dist.init_process_group(
-                backend="nccl" if use_cuda else "gloo",
+                backend=backend or ("nccl" if use_cuda else "gloo"),
                 init_method=f"tcp://{addr}:{port}",
                 rank=info.rank,
                 world_size=info.world_size,

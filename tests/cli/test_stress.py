@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ep_comm.backends import registered
@@ -38,8 +39,6 @@ def test_injected_fault_exits_nonzero_and_prints_the_case(cli):
 
 def test_fault_under_torchrun_fails_every_rank():
     if shutil.which("torchrun") is None and not _has_torchrun_module():
-        import pytest
-
         pytest.skip("torchrun not available")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ep_comm", "stress",
@@ -120,3 +119,33 @@ def test_an_sm_count_is_checked_and_carried_into_the_replay(cli):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     replays = [ln for ln in proc.stdout.splitlines() if "replay: ep-comm stress" in ln]
     assert replays and all(ln.rstrip().endswith("--num-sms 3 --inject-fault") for ln in replays), replays
+
+
+def test_shared_gpus_take_the_mnnvl_backend_only(cli):
+    """``--share-gpus`` (more ranks than GPUs, a gloo job) runs only mnnvl: other backends and ``--kill`` are
+    refused before any rank starts, and without GPUs it says so."""
+    for extra in (["--backend", "ag_rs"], ["--backend", "mnnvl", "nvshmem"], ["--kill"]):
+        proc = cli(["stress", "--nproc", "2", "--iters", "1", "--share-gpus", *extra], timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "--share-gpus runs the mnnvl backend only" in proc.stderr, proc.stderr
+    if not torch.cuda.is_available():
+        proc = cli(["stress", "--nproc", "2", "--iters", "1", "--share-gpus"], timeout=120)
+        assert proc.returncode == 2 and "--share-gpus needs CUDA GPUs" in proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_stress_mnnvl_with_shared_gpus(cli):
+    """Twice as many ranks as GPUs (two on one GPU, four on two): every iteration checked against the
+    oracle passes, and a failing case's replay command keeps ``--share-gpus``."""
+    nproc = str(2 * torch.cuda.device_count())
+    refused = cli(["stress", "--nproc", nproc, "--iters", "1", "--backend", "mnnvl"], timeout=120)
+    assert refused.returncode == 2 and "exceeds the" in refused.stderr, refused.stdout + refused.stderr
+    proc = cli(["stress", "--nproc", nproc, "--iters", "12", "--share-gpus"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"ep-comm stress: {nproc} ranks (spawn, cuda, GPUs shared)" in proc.stdout
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == ["mnnvl"]]
+    assert len(rows) == 2 and all(r[-1] == "ok" for r in rows), proc.stdout
+    bad = cli(["stress", "--nproc", nproc, "--iters", "6", "--share-gpus", "--inject-fault"], timeout=300)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    replays = [ln for ln in bad.stdout.splitlines() if "replay: ep-comm stress" in ln]
+    assert replays and all(ln.rstrip().endswith("--share-gpus --inject-fault") for ln in replays), replays

@@ -1,6 +1,9 @@
 """init_distributed in spawned ranks: gloo without CUDA, Topology, EP_COMM_HOST_ID."""
 import os
 
+import pytest
+import torch
+
 import ep_comm
 from ep_comm.distributed.spawn import raise_on_failure, spawn_local
 
@@ -56,3 +59,31 @@ def _without_torchrun_vars(fn):
         if os.environ.get(var) == "":
             del os.environ[var]
     return fn()
+
+
+def backend_worker(backend):
+    import torch.distributed as dist
+
+    topo = ep_comm.init_distributed(timeout_s=30, backend=backend)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return dict(backend=dist.get_backend(), device=device, topo_device=topo.device_index)
+
+
+def test_a_gloo_job_on_gpus_still_spreads_the_ranks_over_them():
+    """``backend="gloo"`` makes a gloo job on any machine; with GPUs every rank still takes GPU
+    ``local_rank % count`` (more ranks than GPUs share them), without them the job is the usual CPU one."""
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world = max(2, 2 * ngpu)
+    res = raise_on_failure(spawn_local(backend_worker, world, ("gloo",), timeout_s=60))
+    for rank, r in enumerate(res):
+        assert r["backend"] == "gloo"
+        expected = rank % ngpu if ngpu else None
+        assert (r["device"], r["topo_device"]) == (expected, expected)
+
+
+def test_an_unknown_or_impossible_backend_is_refused():
+    with pytest.raises(ep_comm.EPConfigError, match="init_distributed backend='mpi': must be None, 'nccl' or 'gloo'"):
+        ep_comm.init_distributed(backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ep_comm.EPTopologyError, match="needs CUDA"):
+            ep_comm.init_distributed(backend="nccl")
