@@ -59,8 +59,6 @@ def check_nproc(nproc: int, share_gpus: bool = False) -> Optional[str]:
     if nproc < 1:
         return f"--nproc must be >= 1, got {nproc}"
     ngpu = cuda_device_count()
-    if share_gpus and not ngpu:
-        return "--share-gpus needs CUDA GPUs, and none is visible"
     if ngpu and nproc > ngpu and not share_gpus:
         # NCCL refuses two ranks on one GPU; say so before spawning instead of failing in every child
         return (f"--nproc {nproc} exceeds the {ngpu} visible CUDA device(s); NCCL needs one GPU per rank "

@@ -48,7 +48,7 @@ from . import (
     stress_report,
     written_to_input_buffer,
 )
-from .launcher import PeerWatch, RankEnv, agree_exit_code, say, setup_rank, teardown
+from .launcher import PeerWatch, RankEnv, agree_exit_code, cuda_device_count, say, setup_rank, teardown
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +94,8 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     if args.share_gpus and (names != ["mnnvl"] or args.kill):
         return ("--share-gpus runs the mnnvl backend only (NCCL and NVSHMEM need a GPU per rank) and no "
                 f"--kill; got --backend {' '.join(args.backend)}{' and --kill' if args.kill else ''}")
+    if args.share_gpus and not cuda_device_count():
+        return "--share-gpus needs CUDA GPUs, and none is visible"
     if args.iters < 1 or args.start < 0:
         return "--iters must be >= 1 and --start >= 0"
     problem = faults.check_arguments(args)

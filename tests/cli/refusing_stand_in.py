@@ -26,8 +26,8 @@ MODE = "refuse"
 class RefusingStandIn:
     """A naive communicator that refuses every call after one raised, or raises untyped errors."""
 
-    def __init__(self, cfg: EPConfig):
-        self._comm = Communicator(cfg)
+    def __init__(self, cfg: EPConfig, device: Optional[torch.device] = None):
+        self._comm = Communicator(cfg, device=device)
         self.cfg = cfg
         self.backend = self._comm.backend
         self.device = self._comm.device
