@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Iterator, Optional
+from unittest import mock
 
 import ep_comm
 from ep_comm.backends.one_sided import layout as lay_mod
@@ -20,18 +21,10 @@ def grouped_env(key: str) -> Iterator[str]:
     """$EP_COMM_COMBINE_GROUPED and, after a space in ``key``, $EP_COMM_COMBINE_SUM_WARPS ("1 0": the
     interleaved combine with every warp sending and summing in turn) for the block; yields the former."""
     grouped, _, sum_warps = key.partition(" ")
-    saved = {name: os.environ.get(name) for name in (lay_mod.COMBINE_GROUPED_ENV, lay_mod.SUM_WARPS_ENV)}
-    os.environ[lay_mod.COMBINE_GROUPED_ENV] = grouped
-    if sum_warps:
-        os.environ[lay_mod.SUM_WARPS_ENV] = sum_warps
-    try:
+    values = {lay_mod.COMBINE_GROUPED_ENV: grouped, **({lay_mod.SUM_WARPS_ENV: sum_warps} if sum_warps else {})}
+    # restored as they were after the block: a count set for the whole run reaches keys that name none
+    with mock.patch.dict(os.environ, values):
         yield grouped
-    finally:  # as they were: a count set for the whole run reaches the keys that do not name one
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def forced_grouped_worker(modes: dict, payloads: tuple, max_tokens: int, seed: int, hooks: str = "none",

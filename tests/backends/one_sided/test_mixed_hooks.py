@@ -12,6 +12,7 @@ in test_mnnvl.py.
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 
@@ -53,8 +54,8 @@ def receiving_while_sending_worker() -> dict:
     world, rank = topo.world_size, topo.rank
     out: dict = {}
     seed = 1700
-    os.environ[lay_mod.RECEIVE_WARPS_ENV] = str(lay_mod.RECEIVE_WARPS_ONE_PEER)  # the batched layout at world 2
-    try:
+    # the batched layout receives while sending at world 2 too
+    with mock.patch.dict(os.environ, {lay_mod.RECEIVE_WARPS_ENV: str(lay_mod.RECEIVE_WARPS_ONE_PEER)}):
         for layout in ("standard", "batched"):
             for payload in RWS_PAYLOADS:
                 cfg = cases.make_cfg(world, "mnnvl", layout, cases.PAYLOADS[payload][0], max_tokens=RWS_TOKENS,
@@ -66,8 +67,6 @@ def receiving_while_sending_worker() -> dict:
                             key = f"{layout}/{payload}/{name}"
                             out[key] = out.get(key, []) + cases.run_case(comm, cfg, world, rank, seed, payload, spec,
                                                                          hooks=rank % 2 == 0)
-    finally:
-        del os.environ[lay_mod.RECEIVE_WARPS_ENV]
     return out
 
 

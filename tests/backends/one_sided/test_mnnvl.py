@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -106,14 +107,11 @@ def test_send_items_taken_from_the_queue_under_cuda_graphs(case):
 # -- the batched layout receiving while sending (its default from EP4 on, forced here at any world): expert
 # slots taken in the order rows land, counts published after every block has received, graphs replayed
 def batched_receiving_worker(graphs: bool) -> dict:
-    os.environ[lay_mod.RECEIVE_WARPS_ENV] = str(lay_mod.RECEIVE_WARPS_MANY_PEERS)
-    try:
+    with mock.patch.dict(os.environ, {lay_mod.RECEIVE_WARPS_ENV: str(lay_mod.RECEIVE_WARPS_MANY_PEERS)}):
         if graphs:
             return cases.graph_capture(("mnnvl",), layouts=("batched",), replays=4, max_tokens=QUEUE_TOKENS,
                                        num_sms=QUEUE_SMS)
         return cases.backend_matrix(("mnnvl",), ("batched",), 2, False, max_tokens=QUEUE_TOKENS, num_sms=QUEUE_SMS)
-    finally:
-        del os.environ[lay_mod.RECEIVE_WARPS_ENV]
 
 
 @pytest.mark.parametrize("case", [c for c in QUEUE_MATRIX if c.startswith("mnnvl/batched/")])
