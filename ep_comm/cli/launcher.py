@@ -199,12 +199,9 @@ def setup_rank(timeout_s: float = 300.0, share_gpus: bool = False) -> RankEnv:
     # read before init_distributed, which exports RANK/WORLD_SIZE (torchrun's names) for any launcher
     launcher = "spawn" if os.environ.get(_SPAWNED_ENV) else read_launch_env().launcher
     topo = init_distributed(timeout_s, backend="gloo" if share_gpus else None)
-    if share_gpus:
+    if dist.get_backend() == "gloo":
         cpu_group = None
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif dist.get_backend() == "gloo":
-        cpu_group = None
-        device = torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if share_gpus else torch.device("cpu")
     else:
         cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         device = torch.device("cuda", torch.cuda.current_device())
