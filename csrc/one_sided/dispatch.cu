@@ -485,6 +485,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       const int t = static_cast<int>(r % L.max_tokens);
       const int64_t row_index = static_cast<int64_t>(src) * L.max_tokens + t;
       const uint8_t* row = own_buf + L.dispatch_offset[data_half] + row_index * L.row_stride;
+      if (p.prefetch_pieces) {
+        lay_out_prefetched(p, row, row_index, src, chunk, t < s_tokens[src], s_count, s_base, code, err, dst, dst_s,
+                           lane);
+        continue;
+      }
       bool valid = false;
       if (t < s_tokens[src]) {
         const int4 h = ld_cg(reinterpret_cast<const int4*>(row));  // RowHeader

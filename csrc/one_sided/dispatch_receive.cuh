@@ -175,6 +175,63 @@ __device__ __forceinline__ void lay_out_piece(const DispatchParams& p, const uin
   __syncwarp();
 }
 
+// lay_out_piece for a piece of at most kPrefetchPieceBytes after the sources' flags: the header, the
+// meta and the payload (and piece 0's scales) are loaded together before any of them is looked at, so
+// a decode-sized piece waits out one load latency instead of header -> meta -> payload.  A row that
+// turns out not to belong to the call drops what was loaded.  ``live``: the row is below its source's
+// token count.  The host sets p.prefetch_pieces only where every piece, its places and the scales are
+// 16-byte aligned and the scales fit one vector a lane.
+__device__ __forceinline__ void lay_out_prefetched(const DispatchParams& p, const uint8_t* row, int64_t row_index,
+                                                   int src, int chunk, bool live, const int* count, const int* base,
+                                                   uint32_t code, const ErrorSink& err, uint8_t** dst,
+                                                   uint8_t** dst_s, int lane) {
+  const Layout& L = p.c.lay;
+  const int k = L.top_k, nl = L.num_local;
+  const int64_t lo = chunk * p.chunk_bytes;
+  const int64_t bytes = min(p.payload_bytes, lo + p.chunk_bytes) - lo;
+  const uint8_t* payload = row + L.payload_offset + lo;
+  const uint8_t* scales = row + L.scale_offset;
+  const bool with_scales = chunk == 0 && p.scale_bytes > 0;
+  const int nv = static_cast<int>(bytes >> 4);
+  int4 h = make_int4(0, 0, 0, 0), sv = make_int4(0, 0, 0, 0);
+  int4 v[kPrefetchVecs];
+  int lid = -1, idx = -1;
+  float lw = 0.f;
+  if (live) {
+    h = ld_cg(reinterpret_cast<const int4*>(row));
+    if (lane < k) {
+      const int32_t* meta = reinterpret_cast<const int32_t*>(row + sizeof(RowHeader));
+      lid = __ldcg(meta + lane);
+      lw = __ldcg(reinterpret_cast<const float*>(meta + k) + lane);
+      if (L.batched) idx = __ldcg(meta + 2 * k + lane);
+    }
+#pragma unroll
+    for (int u = 0; u < kPrefetchVecs; ++u)
+      if (lane + u * kWarpSize < nv) v[u] = ld_cg(reinterpret_cast<const int4*>(payload) + lane + u * kWarpSize);
+    if (with_scales && lane * 16 < p.scale_bytes) sv = ld_cg(reinterpret_cast<const int4*>(scales) + lane);
+  }
+  const bool valid = live && header_matches(p, static_cast<uint32_t>(h.x), h.y, h.z, code, src,
+                                            lane == 0 && chunk == 0, err);
+  if (!valid && chunk > 0) return;
+  int slot = -1;
+  if (!valid || lid < 0 || lid >= nl) {
+    lid = -1;
+  } else if (L.batched) {
+    if (idx < 0 || idx >= count[src * nl + lid]) lid = -1;
+    else slot = base[src * nl + lid] + idx;
+  }
+  const int n = place_row(p, row_index, lid, lw, slot, chunk == 0, dst, dst_s, lane);
+  if (n == 0) return;
+  for (int d = 0; d < n; ++d) {
+    int4* o = reinterpret_cast<int4*>(dst[d] + lo);
+#pragma unroll
+    for (int u = 0; u < kPrefetchVecs; ++u)
+      if (lane + u * kWarpSize < nv) o[lane + u * kWarpSize] = v[u];
+    if (with_scales && lane * 16 < p.scale_bytes) reinterpret_cast<int4*>(dst_s[d])[lane] = sv;
+  }
+  __syncwarp();
+}
+
 // ---- receive while sending ------------------------------------------------------------------------
 // At prefill sizes the standard layout's copy of the peers' rows (memory-bound) can run beside the
 // sends (link- or, quantising, instruction-bound) instead of after them; so can the batched layout's

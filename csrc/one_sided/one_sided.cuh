@@ -95,7 +95,13 @@ struct DispatchParams {
   int phases;                   // kPhaseSend | kPhaseReceive (protocol.h)
   bool checked;                 // kPhaseChecked: an input verdict precedes the launch (protocol.h)
   int receive_warps;            // > 0: that many warps of each block receive while the others send (Cfg.RECEIVE_WARPS)
+  bool prefetch_pieces;         // pieces of at most kPrefetchPieceBytes: header, meta and payload loaded at once
 };
+
+// A received piece this small is loaded whole into registers (4 vectors a lane) with its header and
+// meta, one latency instead of three dependent ones (decode sizes).
+constexpr int kPrefetchVecs = 4;
+constexpr int64_t kPrefetchPieceBytes = kPrefetchVecs * 32 * 16;
 
 struct CombineParams {
   Common c;
