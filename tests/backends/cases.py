@@ -170,6 +170,22 @@ def backend_matrix(backends=("naive", "ag_rs"), layouts=("standard", "batched"),
     return results
 
 
+WIDE_HIDDEN = 2048  # 4 KB bf16 rows: the kernels split a row into several pieces sent by different warps
+
+
+def wide_rows_case_names(backend: str, layouts: tuple[str, ...] = ("standard",)) -> list[str]:
+    """The keys ``wide_rows_matrix`` reports for ``backend`` and ``layouts``."""
+    return [f"wide/{backend}/{layout}/{p}/{s}" for layout in layouts for p in PAYLOADS for s in scenarios(2, 16)]
+
+
+def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, layouts=("standard", "batched"), **cfg_kw) -> dict:
+    """The matrix with rows wide enough to go in several pieces (hidden = WIDE_HIDDEN; the other cases'
+    512-byte rows go whole), keyed ``wide/...``: each piece is laid out by its own warp, at an offset
+    past its row's start, and only the first carries the row's scales."""
+    res = backend_matrix(backends, layouts, 1, hooks, hidden=WIDE_HIDDEN, **cfg_kw)
+    return {f"wide/{k}": v for k, v in res.items()}
+
+
 # -- CUDA graphs -------------------------------------------------------------------------------------
 def graph_experts(cfg, rank: int, world: int, d) -> torch.Tensor:
     """``oracle.test_expert`` vectorised without host syncs, so it can sit inside a CUDA graph."""

@@ -14,6 +14,7 @@ from ep_comm.backends.one_sided.layout import COMBINE_PULL_ENV
 from .cases import (
     EXPERTS_PER_RANK,
     PAYLOADS,
+    WIDE_HIDDEN,
     backend_matrix,
     combine,
     dispatch,
@@ -23,6 +24,7 @@ from .cases import (
     make_cfg,
     run_case,
     scenarios,
+    wide_rows_matrix,
 )
 
 
@@ -211,22 +213,13 @@ def _expert_output_buffer_problems(comm, cfg, world: int, rank: int, hooks: bool
     return problems
 
 
-WIDE_HIDDEN = 2048  # 4 KB bf16 rows: the kernels split a row into several pieces sent by different warps
-
-
-def wide_rows_case_names(backend: str) -> list[str]:
-    """The keys ``wide_rows_matrix`` reports for ``backend``."""
-    return [f"wide/{backend}/standard/{p}/{s}" for p in PAYLOADS for s in scenarios(2, 16)]
-
-
-def wide_rows_matrix(backends=("mnnvl",), hooks: bool = False, zero_copy: bool = True, in_place: bool = False) -> dict:
-    """The standard matrix with rows wide enough to go in several pieces (hidden = WIDE_HIDDEN; the
-    other cases' 512-byte rows go whole), keyed ``wide/...``.  Zero-copy combines pull; ``in_place``:
-    x is written into ``dispatch_input_buffer``."""
+def zero_copy_wide_rows(backends=("mnnvl",), hooks: bool = False, in_place: bool = False) -> dict:
+    """``cases.wide_rows_matrix`` in the standard layout with zero copy (keys:
+    ``cases.wide_rows_case_names``): combines pull; ``in_place``: x is written into
+    ``dispatch_input_buffer``."""
     force_pull(True)
     input_in_place(in_place)
-    res = backend_matrix(backends, ("standard",), 1, hooks, zero_copy=zero_copy, hidden=WIDE_HIDDEN)
-    return {f"wide/{k}": v for k, v in res.items()}
+    return wide_rows_matrix(backends, hooks, ("standard",), zero_copy=True)
 
 
 ZERO_COPY_TOP_K = (1, 3, 6, 8)  # k % 4 != 0 takes the receive pass's 4-byte path, the others its 16-byte one

@@ -132,14 +132,20 @@ def test_zero_copy_recv_hooks_under_cuda_graphs_in_put_mode(case):
     _assert_clean(case, "zero_copy_hooks_graph_put", zero_copy_cases.zero_copy_graphs, ("nvshmem",), True, env=PUT)
 
 
-@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem", ("standard", "batched")))
+def test_rows_in_several_pieces_in_put_mode(case):
+    """Rows copied out in pieces, every payload and layout, the rows put by NVSHMEM."""
+    _assert_clean(case, "wide_put", cases.wide_rows_matrix, ("nvshmem",), env=PUT)
+
+
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_rows_in_several_pieces_match_oracle(case):
-    _assert_clean(case, "zero_copy_wide", zero_copy_cases.wide_rows_matrix, ("nvshmem",))
+    _assert_clean(case, "zero_copy_wide", zero_copy_cases.zero_copy_wide_rows, ("nvshmem",))
 
 
-@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_rows_in_several_pieces_in_put_mode(case):
-    _assert_clean(case, "zero_copy_wide_put", zero_copy_cases.wide_rows_matrix, ("nvshmem",), env=PUT)
+    _assert_clean(case, "zero_copy_wide_put", zero_copy_cases.zero_copy_wide_rows, ("nvshmem",), env=PUT)
 
 
 @pytest.mark.parametrize("case", zero_copy_cases.zero_copy_shapes_case_names("nvshmem"))
@@ -171,9 +177,9 @@ def test_zero_copy_input_in_place_under_cuda_graphs(case):
     _assert_clean(case, "in_place_graph", zero_copy_cases.zero_copy_graphs, ("nvshmem",), False, True)
 
 
-@pytest.mark.parametrize("case", zero_copy_cases.wide_rows_case_names("nvshmem"))
+@pytest.mark.parametrize("case", cases.wide_rows_case_names("nvshmem"))
 def test_zero_copy_input_in_place_in_several_pieces(case):
-    _assert_clean(case, "in_place_wide", zero_copy_cases.wide_rows_matrix, ("nvshmem",), False, True, True)
+    _assert_clean(case, "in_place_wide", zero_copy_cases.zero_copy_wide_rows, ("nvshmem",), False, True)
 
 
 def test_rank_that_skips_a_call_is_named_by_a_timeout():
