@@ -101,7 +101,8 @@ struct DispatchParams {
 // A received piece this small is loaded whole into registers (4 vectors a lane) with its header and
 // meta, one latency instead of three dependent ones (decode sizes).
 constexpr int kPrefetchVecs = 4;
-constexpr int64_t kPrefetchPieceBytes = kPrefetchVecs * 32 * 16;
+constexpr int64_t kPrefetchScaleBytes = 32 * 16;  // one 16-byte vector a lane
+constexpr int64_t kPrefetchPieceBytes = kPrefetchVecs * kPrefetchScaleBytes;
 
 struct CombineParams {
   Common c;

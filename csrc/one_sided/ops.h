@@ -79,10 +79,6 @@ inline void set_dispatch_shape(DispatchParams& p, const RowShape& r, int64_t T, 
   int64_t chunks = T > 0 ? std::max<int64_t>(1, std::min<int64_t>(warps / T, (p.payload_bytes + unit - 1) / unit)) : 1;
   p.chunk_bytes = ((p.payload_bytes + chunks - 1) / chunks + unit - 1) / unit * unit;
   p.chunks = static_cast<int>((p.payload_bytes + p.chunk_bytes - 1) / p.chunk_bytes);
-  // decode-sized pieces are laid out from one round of loads, the scales one vector a lane
-  // (dispatch_receive.cuh, lay_out_prefetched)
-  const int64_t bits = p.chunk_bytes | p.payload_bytes | p.scale_bytes | L.payload_offset | L.scale_offset;
-  p.prefetch_pieces = p.chunk_bytes <= kPrefetchPieceBytes && (bits & 15) == 0 && p.scale_bytes <= 32 * 16;
   p.capacity = static_cast<int64_t>(L.world) * L.max_tokens;
   TORCH_CHECK(work.is_cuda() && work.scalar_type() == at::kInt &&
                   work.numel() >= static_cast<int64_t>(L.world) * L.num_local + static_cast<int64_t>(L.max_tokens) * (k + 1),
@@ -101,8 +97,13 @@ inline void set_dispatch_outputs(DispatchParams& p, at::Tensor& out_x, at::Tenso
   p.row_w = row_w.data_ptr<float>();
   p.row_slot = batched ? row_slot.data_ptr<int32_t>() : nullptr;
   p.counts = batched ? counts.data_ptr<int32_t>() : nullptr;
-  p.prefetch_pieces = p.prefetch_pieces &&
-                      ((reinterpret_cast<uintptr_t>(p.out_x) | reinterpret_cast<uintptr_t>(p.out_scales)) & 15) == 0;
+  // decode-sized pieces are laid out from one round of loads (dispatch_receive.cuh, lay_out_prefetched):
+  // every piece, its places and the scales 16-byte aligned, the scales one vector a lane
+  const Layout& L = p.c.lay;
+  const uint64_t bits = static_cast<uint64_t>(p.chunk_bytes | p.payload_bytes | p.scale_bytes | L.payload_offset |
+                                              L.scale_offset) |
+                        reinterpret_cast<uintptr_t>(p.out_x) | reinterpret_cast<uintptr_t>(p.out_scales);
+  p.prefetch_pieces = p.chunk_bytes <= kPrefetchPieceBytes && p.scale_bytes <= kPrefetchScaleBytes && (bits & 15) == 0;
 }
 
 inline int phases_arg(int64_t phases) {
